@@ -1,0 +1,90 @@
+"""The one builder of OpenAI error bodies, and the handlers that use it.
+
+Body: {"error": {"message", "type", "param", "code"}}, with vLLM's `type` names, so clients
+written against `vllm serve` read our errors the same way.
+"""
+
+from __future__ import annotations
+
+import math
+from http import HTTPStatus
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.responses import Response
+
+from shared.errors import FleetError, Overloaded
+
+ERROR_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    422: "UnprocessableEntityError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    502: "BadGatewayError",
+    503: "ServiceUnavailableError",
+}
+
+
+def error_body(message: str, status: int, param: str | None = None, err_type: str | None = None) -> dict[str, Any]:
+    err_type = err_type or ERROR_TYPES.get(status) or HTTPStatus(status).phrase
+    return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+
+
+def fleet_error_body(error: FleetError) -> dict[str, Any]:
+    return error_body(error.message, error.status, error.param)
+
+
+def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json", headers=headers)
+
+
+def fleet_error_response(error: FleetError) -> Response:
+    headers = None
+    if isinstance(error, Overloaded):
+        headers = {"Retry-After": str(max(1, math.ceil(error.retry_after)))}
+    return json_response(fleet_error_body(error), error.status, headers)
+
+
+def _loc_param(loc: tuple) -> str:
+    return ".".join(str(p) for p in loc if not any(c in str(p) for c in "[]()") and p not in
+                    ("function-after", "function-before", "function-wrap", "union", "tagged-union"))
+
+
+def _validation_param(errors: list[dict]) -> str | None:
+    for error in errors:
+        rule = (error.get("ctx") or {}).get("error")
+        if getattr(rule, "param", None):
+            return rule.param
+    return _loc_param(tuple(errors[0].get("loc", ()))) if errors else None
+
+
+def _describe(error: dict) -> str:
+    error = {k: v for k, v in error.items() if k in ("type", "loc", "msg")}
+    error["loc"] = _loc_param(tuple(error.get("loc", ())))
+    return str(error)
+
+
+async def _on_validation_error(_request: Request, exc: RequestValidationError) -> Response:
+    errors = list(exc.errors())
+    label = "error" if len(errors) == 1 else "errors"
+    message = f"{len(errors)} validation {label}:\n" + "\n".join(f"  {_describe(e)}" for e in errors[:10])
+    return json_response(error_body(message, 400, _validation_param(errors), "Bad Request"), 400)
+
+
+async def _on_fleet_error(_request: Request, exc: FleetError) -> Response:
+    return fleet_error_response(exc)
+
+
+async def _on_http_error(_request: Request, exc: HTTPException) -> Response:
+    return json_response(error_body(str(exc.detail), exc.status_code, err_type=HTTPStatus(exc.status_code).phrase),
+                         exc.status_code, getattr(exc, "headers", None))
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(FleetError, _on_fleet_error)
+    app.add_exception_handler(HTTPException, _on_http_error)

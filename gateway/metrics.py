@@ -1,0 +1,16 @@
+"""Prometheus metrics of a gateway process."""
+
+from prometheus_client import Counter, Gauge, Histogram
+
+REQUESTS = Counter("llmfleet_gateway_requests_total", "Requests answered, by endpoint and HTTP status",
+                   ["model", "endpoint", "status"])
+SUBMITTED = Counter("llmfleet_gateway_submitted_total", "Requests queued for workers", ["model"])
+OPEN_STREAMS = Gauge("llmfleet_gateway_open_requests", "Requests waiting on workers in this process")
+TIME_TO_FIRST_TOKEN = Histogram(
+    "llmfleet_gateway_time_to_first_token_seconds", "Gateway arrival to first generated token", ["model"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+REQUEST_LATENCY = Histogram(
+    "llmfleet_gateway_request_seconds", "Gateway arrival to last byte", ["model", "endpoint"],
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
+RELAYED_TOKENS = Counter("llmfleet_gateway_completion_tokens_total", "Completion tokens relayed", ["model"])
+CANCELS = Counter("llmfleet_gateway_cancels_total", "Cancels sent to workers, by cause", ["cause"])

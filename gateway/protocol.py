@@ -1,0 +1,268 @@
+"""Request models of the OpenAI chat and completions APIs, validated at the HTTP edge.
+
+Unknown fields are tolerated, as vLLM does. Two kinds of rules, with vLLM's statuses and types:
+- schema rules (types, required fields, "stream_options needs stream") fail pydantic
+  validation: 400 with type "Bad Request" and a dotted `param`;
+- sampling ranges (temperature, top_p, penalties, n with greedy sampling...) are checked by
+  `check_sampling` with vLLM's messages: 400 "BadRequestError".
+Rules that need the tokenizer (prompt length, token ids in the vocabulary) run on the worker.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from shared.envelopes import SamplingOptions
+from shared.errors import InvalidRequest
+
+MAX_STOP_STRINGS = 4
+MAX_N = 128
+MAX_LOGIT_BIAS_ENTRIES = 1024
+
+
+class FieldRuleError(ValueError):
+    """A schema rule broken by a request; `param` names the field, as vLLM does."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class TextPart(OpenAIModel):
+    type: Literal["text"]
+    text: str
+
+
+class ToolCallFunction(OpenAIModel):
+    name: str
+    arguments: str | dict[str, Any] = ""
+
+
+class MessageToolCall(OpenAIModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning: str | None = None
+
+    @model_validator(mode="after")
+    def _content_required(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise FieldRuleError(f"a {self.role} message needs `content`", param="content")
+        return self
+
+
+class FunctionDefinition(OpenAIModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: dict[str, Any] | None = None
+
+
+class GenerationRequest(OpenAIModel):
+    """Fields common to chat and completions."""
+
+    model: str | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    logit_bias: dict[str, float] | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    user: str | None = None
+    cancel_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, value: str | list[str] | None) -> list[str] | None:
+        if isinstance(value, str):
+            value = [value]
+        if value is not None and len(value) > MAX_STOP_STRINGS:
+            raise FieldRuleError(f"at most {MAX_STOP_STRINGS} stop sequences are allowed", param="stop")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bounded_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value is not None and len(value) > MAX_LOGIT_BIAS_ENTRIES:
+            raise FieldRuleError(f"logit_bias may hold at most {MAX_LOGIT_BIAS_ENTRIES} entries",
+                                 param="logit_bias")
+        return value
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise FieldRuleError("Stream options can only be defined when `stream=True`.", param="stream_options")
+        if self.response_format is not None and self.response_format.type == "json_schema" \
+                and self.response_format.json_schema is None:
+            raise FieldRuleError("When response_format type is 'json_schema', the 'json_schema' field "
+                                 "must be provided.", param="response_format")
+        return self
+
+    def sampling_options(self, max_tokens: int | None, logprobs: int | None, echo: bool) -> SamplingOptions:
+        return SamplingOptions(
+            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            min_p=self.min_p, seed=self.seed, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+            logit_bias=self.logit_bias, stop=self.stop, stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, n=self.n, logprobs=logprobs,
+            echo=echo, skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+
+
+class ChatCompletionRequest(GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _chat_rules(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and (self.top_logprobs < -1):
+            raise FieldRuleError("`top_logprobs` must be a positive value or -1.", param="top_logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise FieldRuleError("when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs")
+        if self.tools is not None and not self.tools:
+            raise FieldRuleError("`tools` must not be an empty array. Either provide at least one tool or "
+                                 "omit the field entirely.", param="tools")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise FieldRuleError("When using `tool_choice`, `tools` must be set.", param="tool_choice")
+        if isinstance(self.tool_choice, dict):
+            name = (self.tool_choice.get("function") or {}).get("name")
+            if name not in {t.function.name for t in self.tools or ()}:
+                raise FieldRuleError("The tool specified in `tool_choice` does not match any of the specified "
+                                     "`tools`", param="tool_choice")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(GenerationRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    max_tokens: int | None = 16
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _single_prompt(cls, value):
+        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+            if len(value) != 1:
+                raise FieldRuleError("only one prompt per request is supported; send one request per prompt",
+                                     param="prompt")
+            value = value[0]
+        if not value:
+            raise FieldRuleError("Either prompt or prompt_embeds must be provided and non-empty.", param="prompt")
+        return value
+
+    @model_validator(mode="after")
+    def _completion_rules(self) -> CompletionRequest:
+        if self.suffix is not None:
+            raise FieldRuleError("suffix is only supported for models with FIM completion rendering",
+                                 param="suffix")
+        if self.max_tokens is None:
+            self.max_tokens = 16
+        return self
+
+
+def check_sampling(options: SamplingOptions, max_model_len: int) -> None:
+    """vLLM's sampling-parameter checks, with its messages (SamplingParams._verify_args)."""
+    o = options
+    rules: list[tuple[bool, str, str | None]] = [
+        (o.n < 1, f"n must be at least 1, got {o.n}.", "n"),
+        (o.n > MAX_N, f"n must be at most {MAX_N}, got {o.n}.", "n"),
+        (o.presence_penalty is not None and not -2 <= o.presence_penalty <= 2,
+         f"presence_penalty must be in [-2, 2], got {o.presence_penalty}.", None),
+        (o.frequency_penalty is not None and not -2 <= o.frequency_penalty <= 2,
+         f"frequency_penalty must be in [-2, 2], got {o.frequency_penalty}.", None),
+        (o.repetition_penalty is not None and not 0 < o.repetition_penalty <= 2,
+         f"repetition_penalty must be in (0, 2], got {o.repetition_penalty}.", None),
+        (o.temperature is not None and not math.isfinite(o.temperature),
+         f"temperature must be a finite number, got {o.temperature}.", "temperature"),
+        (o.temperature is not None and o.temperature < 0,
+         f"temperature must be non-negative, got {o.temperature}.", "temperature"),
+        (o.temperature is not None and o.temperature > 2,
+         f"temperature must be in [0, 2], got {o.temperature}.", "temperature"),
+        (o.top_p is not None and not 0 < o.top_p <= 1, f"top_p must be in (0, 1], got {o.top_p}.", "top_p"),
+        (o.top_k is not None and o.top_k < -1,
+         f"top_k must be 0 (disable), or at least 1, got {o.top_k}.", None),
+        (o.min_p is not None and not 0 <= o.min_p <= 1, f"min_p must be in [0, 1], got {o.min_p}.", None),
+        (o.max_tokens is not None and o.max_tokens < 1,
+         f"max_tokens must be at least 1, got {o.max_tokens}.", "max_tokens"),
+        (o.max_tokens is not None and o.max_tokens > max_model_len,
+         f"max_tokens={o.max_tokens} cannot be greater than max_model_len={max_model_len}. "
+         "Please request fewer output tokens.", "max_tokens"),
+        (o.min_tokens < 0, f"min_tokens must be greater than or equal to 0, got {o.min_tokens}.", None),
+        (o.max_tokens is not None and o.min_tokens > o.max_tokens,
+         f"min_tokens must be less than or equal to max_tokens={o.max_tokens}, got {o.min_tokens}.", None),
+        (o.logprobs is not None and o.logprobs < -1,
+         f"logprobs must be non-negative or -1, got {o.logprobs}.", "logprobs"),
+        (bool(o.stop) and "" in (o.stop or ()), "stop cannot contain an empty string.", None),
+        (o.n > 1 and o.temperature is not None and o.temperature < 1e-5,
+         f"n must be 1 when using greedy sampling, got {o.n}.", None),
+    ]
+    for broken, message, param in rules:
+        if broken:
+            raise InvalidRequest(message, param=param)
+    for key in o.logit_bias or ():
+        try:
+            int(key)
+        except ValueError:
+            raise InvalidRequest(f"logit_bias contains key(s) that cannot be converted to integer token IDs: "
+                                 f"[{key!r}]", param="logit_bias") from None

@@ -1,0 +1,91 @@
+"""The gateway's reply path: one reader per process, one queue per open request.
+
+Every worker writes the chunks of a request to the reply stream of the gateway process that
+accepted it. A single `ReplyRouter` task reads that stream in batches (XREAD COUNT) and hands
+each envelope to the queue of its request, so a gateway holding thousands of open requests
+still has one blocking read and one Redis connection for replies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from shared import keys
+from shared.codec import decode
+from shared.envelopes import ChunkEnvelope
+from shared.errors import EnvelopeError
+
+log = logging.getLogger(__name__)
+
+READ_BATCH = 1000
+
+
+class ReplyRouter:
+    def __init__(self, redis: aioredis.Redis, gateway_id: str):
+        self.redis = redis
+        self.stream = keys.reply_stream(gateway_id)
+        self._routes: dict[str, asyncio.Queue[ChunkEnvelope]] = {}
+        self._last_id = "$"
+        self.connected = asyncio.Event()
+
+    def open(self, request_id: str) -> asyncio.Queue[ChunkEnvelope]:
+        queue: asyncio.Queue[ChunkEnvelope] = asyncio.Queue()
+        self._routes[request_id] = queue
+        return queue
+
+    def close(self, request_id: str) -> None:
+        self._routes.pop(request_id, None)
+
+    @property
+    def open_requests(self) -> int:
+        return len(self._routes)
+
+    async def create_stream(self) -> None:
+        """Create the reply stream (workers never create it) and start reading at its end."""
+        entry_id = await self.redis.xadd(self.stream, {b"hello": b"1"}, maxlen=keys.REPLY_STREAM_MAXLEN)
+        await self.redis.expire(self.stream, keys.REPLY_STREAM_TTL_S)
+        self._last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+
+    async def run(self) -> None:
+        while True:
+            try:
+                if not self.connected.is_set():
+                    await self.create_stream()
+                    self.connected.set()
+                replies = await self.redis.xread({self.stream: self._last_id}, count=READ_BATCH, block=1000)
+            except RedisError as exc:
+                self.connected.clear()
+                log.warning("reading replies failed: %s", exc)
+                await asyncio.sleep(0.5)
+                continue
+            for _stream, entries in replies or ():
+                for entry_id, fields in entries:
+                    self._deliver(fields)
+                self._last_id = entries[-1][0]
+
+    def _deliver(self, fields: dict[bytes, bytes]) -> None:
+        data = fields.get(keys.ENVELOPE_FIELD)
+        if data is None:
+            return
+        try:
+            envelope = decode(ChunkEnvelope, data)
+        except EnvelopeError as exc:
+            log.error("dropping malformed reply: %s", exc)
+            return
+        queue = self._routes.get(envelope.request_id)
+        if queue is not None:
+            queue.put_nowait(envelope)
+
+    async def keep_alive(self) -> None:
+        """Refresh the reply stream's TTL while this gateway lives."""
+        while True:
+            await asyncio.sleep(keys.REPLY_STREAM_TTL_S / 4)
+            try:
+                if not await self.redis.expire(self.stream, keys.REPLY_STREAM_TTL_S):
+                    self.connected.clear()  # the stream vanished (Redis restart): recreate it
+            except RedisError as exc:
+                log.warning("refreshing the reply stream failed: %s", exc)

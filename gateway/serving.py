@@ -1,0 +1,138 @@
+"""Serve one generation over HTTP: submit it, then stream SSE or answer once.
+
+Both API families (chat, completions) go through `serve_generation`; they differ only in the
+`Formatter` that turns chunks into their JSON shapes.
+
+Status codes are decided by the first chunk: the gateway waits for it before sending headers,
+so a request the worker rejects (prompt too long, bad token ids) is a plain 4xx, as on
+`vllm serve`. After the first byte, an error is a `data: {"error": ...}` event then
+`data: [DONE]`.
+
+Cancellation: a streaming response is cancelled by Starlette when the client disconnects; a
+non-streaming one races the generation against the client's `http.disconnect`. Either way the
+`Run` is closed before its terminal chunk, which publishes the cancel to the workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from gateway import metrics
+from gateway.errors import fleet_error_body, fleet_error_response, json_response
+from gateway.fleet import Fleet, Run
+from shared.envelopes import GenerationChunk, RequestEnvelope
+from shared.errors import FleetError, error_from_info
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse(event: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(event) + b"\n\n"
+
+
+class Formatter(Protocol):
+    endpoint: str
+
+    def stream_events(self, chunk: GenerationChunk) -> list[dict[str, Any]]:
+        """The SSE events for one delta or terminal chunk."""
+
+    def response(self, terminal: GenerationChunk) -> dict[str, Any]:
+        """The whole non-streaming response, from the terminal chunk's candidates."""
+
+
+async def serve_generation(request: Request, fleet: Fleet, envelope: RequestEnvelope,
+                           formatter: Formatter) -> Response:
+    started = time.monotonic()
+    run = await fleet.submit(envelope)
+    metrics.OPEN_STREAMS.inc()
+    try:
+        first, rest = await _race_disconnect(request, run, run.first_or_error())
+    except BaseException as exc:
+        _finish(run, envelope, formatter, started, exc)
+        if isinstance(exc, FleetError):
+            return fleet_error_response(exc)
+        raise
+    _record_first_token(first, envelope)
+    if envelope.stream:
+        return StreamingResponse(_sse_body(run, envelope, formatter, first, rest, started),
+                                 media_type="text/event-stream")
+    _finish(run, envelope, formatter, started, None)
+    if first.error is not None:
+        return fleet_error_response(error_from_info(first.error))
+    _count_tokens(first, envelope)
+    return json_response(formatter.response(first))
+
+
+async def _race_disconnect(request: Request, run: Run, work):
+    """Await `work`, or close the run if the client hangs up first."""
+    work_task = asyncio.ensure_future(work)
+    disconnect_task = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({work_task, disconnect_task}, return_when=asyncio.FIRST_COMPLETED)
+        if work_task in done:
+            return work_task.result()
+        work_task.cancel()
+        raise asyncio.CancelledError("client disconnected")
+    finally:
+        disconnect_task.cancel()
+        if not work_task.done():
+            work_task.cancel()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _sse_body(run: Run, envelope: RequestEnvelope, formatter: Formatter, first: GenerationChunk,
+                    rest: AsyncIterator[GenerationChunk], started: float) -> AsyncIterator[bytes]:
+    error: BaseException | None = None
+    try:
+        chunk = first
+        while True:
+            if chunk.error is not None:
+                yield sse(fleet_error_body(error_from_info(chunk.error)))
+            else:
+                for event in formatter.stream_events(chunk):
+                    yield sse(event)
+            _count_tokens(chunk, envelope)
+            if chunk.done:
+                break
+            chunk = await anext(rest)
+        yield SSE_DONE
+    except FleetError as exc:  # e.g. the request timed out mid-stream
+        error = exc
+        yield sse(fleet_error_body(exc))
+        yield SSE_DONE
+    except BaseException as exc:  # the client went away: close the run, which cancels it
+        error = exc
+        raise
+    finally:
+        _finish(run, envelope, formatter, started, error)
+
+
+def _record_first_token(chunk: GenerationChunk, envelope: RequestEnvelope) -> None:
+    if chunk.first_token:
+        metrics.TIME_TO_FIRST_TOKEN.labels(envelope.model).observe(max(0.0, time.time() - envelope.arrival))
+
+
+def _count_tokens(chunk: GenerationChunk, envelope: RequestEnvelope) -> None:
+    if chunk.done and chunk.usage is not None:
+        metrics.RELAYED_TOKENS.labels(envelope.model).inc(chunk.usage.completion_tokens)
+
+
+def _finish(run: Run, envelope: RequestEnvelope, formatter: Formatter, started: float,
+            error: BaseException | None) -> None:
+    reason = "deadline" if isinstance(error, FleetError) and error.code == "request_timeout" else "disconnect"
+    run.close(reason)
+    metrics.OPEN_STREAMS.dec()
+    status = error.status if isinstance(error, FleetError) else (499 if error is not None else 200)
+    metrics.REQUESTS.labels(envelope.model, formatter.endpoint, str(status)).inc()
+    metrics.REQUEST_LATENCY.labels(envelope.model, formatter.endpoint).observe(time.monotonic() - started)

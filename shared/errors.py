@@ -1,0 +1,98 @@
+"""The one error hierarchy of llmfleet, shared by gateway and worker.
+
+    FleetError                      base; carries code, message, param and HTTP status
+    ├── InvalidRequest              400  the request can never succeed as sent
+    ├── ModelNotFound               404  no worker has served this model recently
+    ├── Overloaded                  429  queue or in-flight limit reached; retry later
+    ├── ServiceUnavailable          503  no live worker, Redis down, queue timeout, draining
+    ├── WorkerLost                  502  the worker running the request vanished
+    ├── EngineError                 500  the engine failed while generating
+    └── EnvelopeError               400  bytes on the wire that are not a valid envelope
+
+Lower-layer exceptions (pydantic, redis, vLLM) are translated into these where they cross a
+process boundary (`raise InvalidRequest(...) from exc`). A worker reports an error to the
+gateway as an `ErrorInfo` inside the terminal chunk; `error_from_info` turns it back into the
+matching exception class, so both sides speak the same codes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class ErrorInfo:
+    """An error as it travels in a chunk envelope."""
+
+    code: str
+    message: str
+    status: int = 500
+    param: str | None = None
+
+
+class FleetError(Exception):
+    status: int = 500
+    code: str = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+    def to_info(self) -> ErrorInfo:
+        return ErrorInfo(code=self.code, message=self.message, status=self.status, param=self.param)
+
+
+class InvalidRequest(FleetError):
+    status = 400
+    code = "invalid_request"
+
+
+class ModelNotFound(FleetError):
+    status = 404
+    code = "model_not_found"
+
+
+class Overloaded(FleetError):
+    status = 429
+    code = "overloaded"
+
+    def __init__(self, message: str, *, retry_after: float = 1.0, **kwargs):
+        super().__init__(message, **kwargs)
+        self.retry_after = retry_after
+
+
+class ServiceUnavailable(FleetError):
+    status = 503
+    code = "service_unavailable"
+
+
+class WorkerLost(FleetError):
+    status = 502
+    code = "worker_lost"
+
+
+class EngineError(FleetError):
+    status = 500
+    code = "engine_error"
+
+
+class EnvelopeError(FleetError):
+    status = 400
+    code = "bad_envelope"
+
+
+_BY_STATUS: dict[int, type[FleetError]] = {
+    cls.status: cls
+    for cls in (InvalidRequest, ModelNotFound, Overloaded, ServiceUnavailable, WorkerLost, EngineError)
+}
+
+
+def error_from_info(info: ErrorInfo) -> FleetError:
+    """Rebuild the exception a worker reported, keeping its code and status."""
+    cls = _BY_STATUS.get(info.status, EngineError)
+    error = cls(info.message, param=info.param, code=info.code)
+    error.status = info.status
+    return error

@@ -1,0 +1,47 @@
+"""Every Redis key, stream and channel name llmfleet uses, with its bound.
+
+| name                              | type    | bound                                       |
+|-----------------------------------|---------|---------------------------------------------|
+| llmfleet:requests:{model}         | stream  | MAXLEN ~REQUEST_STREAM_MAXLEN; entries are   |
+|                                   |         | XDEL'd by the worker once answered          |
+| llmfleet:replies:{gateway_id}     | stream  | MAXLEN ~REPLY_STREAM_MAXLEN, TTL refreshed  |
+|                                   |         | by its gateway; workers never create it     |
+| llmfleet:worker:{worker_id}       | string  | TTL HEARTBEAT_TTL_S                         |
+| llmfleet:model:{model}            | string  | TTL MODEL_MEMORY_TTL_S ("was served lately")|
+| llmfleet:cancel                   | pub/sub | no storage                                  |
+"""
+
+from __future__ import annotations
+
+PREFIX = "llmfleet"
+
+WORKER_GROUP = "workers"  # the consumer group of every request stream
+
+REQUEST_STREAM_MAXLEN = 100_000
+REPLY_STREAM_MAXLEN = 100_000
+REPLY_STREAM_TTL_S = 60  # refreshed every few seconds by the live gateway
+HEARTBEAT_TTL_S = 5
+HEARTBEAT_INTERVAL_S = 1.0
+MODEL_MEMORY_TTL_S = 3600
+
+CANCEL_CHANNEL = f"{PREFIX}:cancel"
+ENVELOPE_FIELD = b"e"  # the one field of every stream entry
+
+
+def request_stream(model: str) -> str:
+    return f"{PREFIX}:requests:{model}"
+
+
+def reply_stream(gateway_id: str) -> str:
+    return f"{PREFIX}:replies:{gateway_id}"
+
+
+def worker_key(worker_id: str) -> str:
+    return f"{PREFIX}:worker:{worker_id}"
+
+
+WORKER_KEY_PATTERN = f"{PREFIX}:worker:*"
+
+
+def model_key(model: str) -> str:
+    return f"{PREFIX}:model:{model}"

@@ -1,0 +1,212 @@
+"""The worker's consumer loop: claims requests from its model's stream and runs them.
+
+A worker pulls: it asks the consumer group for at most as many requests as it has free slots,
+so work lands where there is room and no router has to guess load. Each claimed request runs
+as its own task; its chunks go to the `ReplyPublisher`. Cancels arrive on the pub/sub channel
+and reach the adapter as `abort(request_id)`. A heartbeat key tells the gateways what this
+worker serves and how busy it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+import uuid
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError, ResponseError
+
+from shared import keys
+from shared.codec import decode, encode
+from shared.envelopes import CancelNotice, GenerationChunk, RequestEnvelope, WorkerInfo
+from shared.errors import EngineError, EnvelopeError, FleetError
+from worker import metrics
+from worker.adapter import GenerationAdapter
+from worker.aggregate import collect_candidates
+from worker.publisher import ReplyPublisher
+
+log = logging.getLogger(__name__)
+
+ABORT_GRACE_S = 2.0  # how long an aborted generation may take to yield its terminal chunk
+
+
+class RequestConsumer:
+    def __init__(self, redis: aioredis.Redis, adapter: GenerationAdapter, max_concurrency: int,
+                 worker_id: str | None = None):
+        self.redis = redis
+        self.adapter = adapter
+        self.model = adapter.served_model_name
+        self.max_concurrency = max_concurrency
+        self.worker_id = worker_id or f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.stream = keys.request_stream(self.model)
+        self.publisher = ReplyPublisher(redis, self.worker_id)
+        self.started = time.time()
+        self.draining = False
+        self._running: dict[str, asyncio.Task] = {}
+        self._slot_freed = asyncio.Event()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._running)
+
+    async def run(self) -> None:
+        """Serve until cancelled; then stop claiming, finish what runs, and deregister."""
+        await self._ensure_group()
+        async with asyncio.TaskGroup() as tasks:
+            background = [
+                tasks.create_task(self.publisher.run()),
+                tasks.create_task(self._heartbeat()),
+                tasks.create_task(self._listen_for_cancels()),
+            ]
+            try:
+                await self.claim_requests()
+            finally:
+                await self._drain()
+                for task in background:
+                    task.cancel()
+
+    def stop(self) -> None:
+        """Stop claiming (SIGTERM); `run` returns once in-flight requests are answered."""
+        self.draining = True
+        self._slot_freed.set()
+
+    async def _ensure_group(self) -> None:
+        try:
+            await self.redis.xgroup_create(self.stream, keys.WORKER_GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def claim_requests(self) -> None:
+        while not self.draining:
+            free = self.max_concurrency - self.in_flight
+            if free <= 0:
+                self._slot_freed.clear()
+                await self._slot_freed.wait()
+                continue
+            try:
+                replies = await self.redis.xreadgroup(
+                    keys.WORKER_GROUP, self.worker_id, {self.stream: ">"}, count=free, block=1000)
+            except RedisError as exc:
+                log.warning("claiming requests failed: %s", exc)
+                await asyncio.sleep(0.5)
+                continue
+            for _stream, entries in replies or ():
+                for entry_id, fields in entries:
+                    self._start(entry_id.decode(), fields.get(keys.ENVELOPE_FIELD, b""))
+
+    def _start(self, entry_id: str, data: bytes) -> None:
+        try:
+            request = decode(RequestEnvelope, data)
+        except EnvelopeError as exc:
+            log.error("dropping malformed request %s: %s", entry_id, exc)
+            metrics.POISON_MESSAGES.labels(self.model).inc()
+            asyncio.ensure_future(self._ack(entry_id))
+            return
+        task = asyncio.create_task(self.run_request(entry_id, request), name=request.request_id)
+        self._running[request.request_id] = task
+        task.add_done_callback(lambda _t, rid=request.request_id: self._finished(rid))
+
+    def _finished(self, request_id: str) -> None:
+        self._running.pop(request_id, None)
+        metrics.IN_FLIGHT.labels(self.model).set(self.in_flight)
+        self._slot_freed.set()
+
+    async def _ack(self, entry_id: str) -> None:
+        with contextlib.suppress(RedisError):
+            await self.redis.pipeline(transaction=False).xack(
+                self.stream, keys.WORKER_GROUP, entry_id).xdel(self.stream, entry_id).execute()
+
+    async def run_request(self, entry_id: str, request: RequestEnvelope) -> None:
+        metrics.IN_FLIGHT.labels(self.model).set(self.in_flight)
+        metrics.QUEUE_TIME.labels(self.model).observe(max(0.0, time.time() - request.arrival))
+        if not isinstance(self.adapter, GenerationAdapter):
+            terminal = _error_terminal(EngineError(f"{type(self.adapter).__name__} cannot generate text"))
+        else:
+            terminal = await self._generate(request)
+        metrics.REQUESTS.labels(self.model, terminal.finish_reason or "unknown").inc()
+        if terminal.usage is not None:
+            metrics.GENERATED_TOKENS.labels(self.model).inc(terminal.usage.completion_tokens)
+        flushed = self.publisher.finish(request.reply_to, request.request_id, terminal, (self.stream, entry_id))
+        await asyncio.shield(flushed)
+
+    async def _generate(self, request: RequestEnvelope) -> GenerationChunk:
+        """Run the adapter, publishing deltas; return the terminal chunk (not yet published)."""
+        chunks = self.adapter.generate(request)
+        try:
+            if not request.stream:
+                return await collect_candidates(chunks, request.params.n)
+            async for chunk in chunks:
+                if chunk.done:
+                    return chunk
+                self.publisher.publish(request.reply_to, request.request_id, chunk)
+            raise EngineError("the engine ended the generation without a terminal chunk")
+        except FleetError as exc:
+            return _error_terminal(exc)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # an engine bug must fail this request, not the worker
+            log.exception("request %s failed", request.request_id)
+            return _error_terminal(EngineError(f"generation failed: {exc}"))
+        finally:
+            await chunks.aclose()
+
+    async def _listen_for_cancels(self) -> None:
+        pubsub = self.redis.pubsub()
+        await pubsub.subscribe(keys.CANCEL_CHANNEL)
+        try:
+            async for message in pubsub.listen():
+                if message.get("type") != "message":
+                    continue
+                try:
+                    notice = decode(CancelNotice, message["data"])
+                except EnvelopeError as exc:
+                    log.warning("ignoring malformed cancel notice: %s", exc)
+                    continue
+                for request_id in notice.request_ids:
+                    if request_id in self._running:
+                        await self.cancel(request_id)
+        finally:
+            await pubsub.aclose()
+
+    async def cancel(self, request_id: str) -> None:
+        """Abort a running request; force it if the adapter does not end it in time."""
+        task = self._running.get(request_id)
+        if task is None:
+            return
+        await self.adapter.abort(request_id)
+        done, _ = await asyncio.wait({task}, timeout=ABORT_GRACE_S)
+        if not done:
+            log.warning("request %s ignored its abort; cancelling its task", request_id)
+            task.cancel()
+
+    async def _heartbeat(self) -> None:
+        while True:
+            info = WorkerInfo(
+                worker_id=self.worker_id, model=self.model, max_model_len=self.adapter.max_model_len,
+                capacity=self.max_concurrency, in_flight=self.in_flight, engine=self.adapter.engine_name,
+                started=self.started, draining=self.draining,
+            )
+            try:
+                await (self.redis.pipeline(transaction=False)
+                       .set(keys.worker_key(self.worker_id), encode(info), ex=keys.HEARTBEAT_TTL_S)
+                       .set(keys.model_key(self.model), b"1", ex=keys.MODEL_MEMORY_TTL_S)
+                       .execute())
+            except RedisError as exc:
+                log.warning("heartbeat failed: %s", exc)
+            await asyncio.sleep(keys.HEARTBEAT_INTERVAL_S)
+
+    async def _drain(self) -> None:
+        self.draining = True
+        if self._running:
+            log.info("draining %d in-flight requests", len(self._running))
+            await asyncio.gather(*self._running.values(), return_exceptions=True)
+        with contextlib.suppress(RedisError):
+            await self.redis.delete(keys.worker_key(self.worker_id))
+
+
+def _error_terminal(error: FleetError) -> GenerationChunk:
+    return GenerationChunk(done=True, finish_reason="error", error=error.to_info())

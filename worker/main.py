@@ -1,0 +1,38 @@
+"""The worker process: load an engine, then claim and run requests until SIGTERM.
+
+SIGTERM or SIGINT stops claiming; in-flight requests finish, the heartbeat is removed, and the
+process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import redis.asyncio as aioredis
+from prometheus_client import start_http_server
+
+from worker.adapter import GenerationAdapter
+from worker.consumer import RequestConsumer
+
+log = logging.getLogger(__name__)
+
+
+async def serve(adapter: GenerationAdapter, redis_url: str, max_concurrency: int, metrics_port: int = 0) -> None:
+    await adapter.start()
+    if metrics_port:
+        start_http_server(metrics_port)
+    redis = aioredis.Redis.from_url(redis_url, socket_connect_timeout=2, health_check_interval=10)
+    consumer = RequestConsumer(redis, adapter, max_concurrency)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, consumer.stop)
+    log.info("worker %s serving %s (max concurrency %d)", consumer.worker_id, adapter.served_model_name,
+             max_concurrency)
+    try:
+        await consumer.run()
+    finally:
+        await redis.aclose()
+        await adapter.shutdown()
+    log.info("worker %s stopped", consumer.worker_id)

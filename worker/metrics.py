@@ -1,0 +1,12 @@
+"""Prometheus metrics of a worker (vLLM's own `vllm:*` series share the same registry)."""
+
+from prometheus_client import Counter, Gauge, Histogram
+
+REQUESTS = Counter("llmfleet_worker_requests_total", "Requests answered, by finish reason",
+                   ["model", "finish_reason"])
+IN_FLIGHT = Gauge("llmfleet_worker_in_flight", "Requests running on this worker", ["model"])
+QUEUE_TIME = Histogram("llmfleet_worker_queue_seconds", "Time from gateway arrival to claim", ["model"],
+                       buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+GENERATED_TOKENS = Counter("llmfleet_worker_generated_tokens_total", "Completion tokens generated", ["model"])
+POISON_MESSAGES = Counter("llmfleet_worker_poison_messages_total", "Malformed request envelopes dropped",
+                          ["model"])

@@ -1,0 +1,133 @@
+"""A model-free adapter that generates deterministic text, for tests and gateway benchmarks.
+
+The script: the words of the prompt (the last user message for chat) repeated in order, one
+word per token, until `max_tokens` (16 when unset) or a stop string. Prompt tokens are the
+words of every message. With n > 1 every choice gets the same words, prefixed by its index
+("1:hello") when the index is not 0, so choices are told apart. Pacing options make a run slow
+to start or slow to stream, so tests can cancel or kill it at a chosen point.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from shared.envelopes import GenerationChunk, RequestEnvelope, Usage
+from shared.errors import InvalidRequest
+from worker.adapter import GenerationAdapter
+
+DEFAULT_MAX_TOKENS = 16
+
+
+def script_words(request: RequestEnvelope) -> tuple[list[str], int]:
+    """The words to repeat and the prompt's token count."""
+    if request.kind == "chat":
+        texts = [_message_text(m) for m in request.messages or ()]
+        user_texts = [_message_text(m) for m in request.messages or () if m.get("role") == "user"]
+        words = (user_texts[-1] if user_texts else "").split()
+        prompt_tokens = sum(len(t.split()) for t in texts)
+    elif isinstance(request.prompt, list):
+        words = [str(token) for token in request.prompt]
+        prompt_tokens = len(request.prompt)
+    else:
+        words = (request.prompt or "").split()
+        prompt_tokens = len(words)
+    return words or ["ok"], prompt_tokens
+
+
+def _message_text(message: dict) -> str:
+    content = message.get("content")
+    if isinstance(content, list):
+        return " ".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return content or ""
+
+
+class ScriptedAdapter(GenerationAdapter):
+    engine_name = "scripted"
+
+    def __init__(
+        self,
+        served_model_name: str,
+        max_model_len: int = 4096,
+        tokens_per_second: float = 0.0,
+        first_token_delay: float = 0.0,
+    ):
+        super().__init__(served_model_name, max_model_len)
+        self.token_interval = 1.0 / tokens_per_second if tokens_per_second > 0 else 0.0
+        self.first_token_delay = first_token_delay
+        self._aborts: dict[str, asyncio.Event] = {}
+
+    async def abort(self, request_id: str) -> None:
+        event = self._aborts.get(request_id)
+        if event is not None:
+            event.set()
+
+    async def generate(self, request: RequestEnvelope) -> AsyncIterator[GenerationChunk]:
+        words, prompt_tokens = script_words(request)
+        params = request.params
+        if prompt_tokens > self.max_model_len:
+            raise InvalidRequest(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                f"prompt contains at least {prompt_tokens} input tokens.",
+                param="input_tokens",
+            )
+        max_tokens = params.max_tokens or DEFAULT_MAX_TOKENS
+        aborted = self._aborts[request.request_id] = asyncio.Event()
+        try:
+            async for chunk in self._run(words, max_tokens, params.n, params.stop or [], aborted,
+                                         prompt_tokens, params.logprobs):
+                yield chunk
+        finally:
+            del self._aborts[request.request_id]
+
+    async def _pause(self, seconds: float, aborted: asyncio.Event) -> None:
+        if seconds > 0:
+            try:
+                await asyncio.wait_for(aborted.wait(), seconds)
+            except TimeoutError:
+                pass
+        else:
+            await asyncio.sleep(0)  # let cancels and other requests in between tokens
+
+    async def _run(self, words, max_tokens, n, stops, aborted, prompt_tokens, logprobs):
+        await self._pause(self.first_token_delay, aborted)
+        texts = [""] * n
+        finish: list[str | None] = [None] * n
+        generated = 0
+        for step in range(max_tokens):
+            if aborted.is_set():
+                break
+            for index in range(n):
+                if finish[index] is not None:
+                    continue
+                word = words[step % len(words)]
+                piece = (word if step == 0 else " " + word) if index == 0 else f"{' ' if step else ''}{index}:{word}"
+                generated += 1
+                chunk = _delta(index, piece, generated == 1, logprobs)
+                texts[index] += piece
+                hit = next((s for s in stops if s in texts[index]), None)
+                if hit is not None:
+                    cut = len(texts[index]) - texts[index].index(hit)
+                    chunk.text = piece[: max(0, len(piece) - cut)]
+                    chunk.finish_reason, chunk.stop_reason = "stop", hit
+                    finish[index] = "stop"
+                elif step == max_tokens - 1:
+                    chunk.finish_reason = finish[index] = "length"
+                yield chunk
+            if all(finish):
+                break
+            await self._pause(self.token_interval, aborted)
+        reason = "cancelled" if aborted.is_set() else None
+        yield GenerationChunk(
+            done=True,
+            finish_reason=reason or finish[0],
+            usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=generated),
+        )
+
+
+def _delta(index: int, piece: str, first: bool, logprobs: int | None) -> GenerationChunk:
+    entries = None
+    if logprobs is not None:
+        entry = {"token": piece, "logprob": -1.0, "bytes": list(piece.encode())}
+        entries = [{**entry, "top_logprobs": [entry] * min(logprobs, 1)}]
+    return GenerationChunk(choice_index=index, text=piece, first_token=first, logprobs=entries, token_count=1)
