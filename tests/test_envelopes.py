@@ -1,0 +1,78 @@
+"""The wire contract: round trips, schema evolution and bounded, typed decoding."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from shared.codec import MAX_ENVELOPE_BYTES, decode, encode
+from shared.envelopes import (
+    Candidate,
+    ChunkEnvelope,
+    GenerationChunk,
+    RequestEnvelope,
+    SamplingOptions,
+    ToolCallDelta,
+    Usage,
+)
+from shared.errors import EnvelopeError, ErrorInfo, InvalidRequest, error_from_info
+
+
+def _request(**overrides) -> RequestEnvelope:
+    fields = dict(request_id="r1", model="m", kind="chat", reply_to="llmfleet:replies:g", arrival=1.5,
+                  messages=[{"role": "user", "content": "hi"}], params=SamplingOptions(max_tokens=7, n=2))
+    return RequestEnvelope(**{**fields, **overrides})
+
+
+def test_request_round_trip():
+    request = _request(tools=[{"type": "function", "function": {"name": "f"}}], cancel_id="c")
+    assert decode(RequestEnvelope, encode(request)) == request
+
+
+def test_chunk_round_trip_with_every_field():
+    chunk = GenerationChunk(
+        choice_index=1, text="a", reasoning="r", tool_calls=[ToolCallDelta(0, "id", "fn", "{}")],
+        logprobs=[{"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": []}], finish_reason="stop",
+        stop_reason="x", done=True, usage=Usage(3, 4), error=ErrorInfo("c", "m", 400, "p"), first_token=True,
+        candidates=[Candidate(0, "t", tool_calls=[ToolCallDelta(0, "i", "n", "a")])], token_count=2,
+    )
+    envelope = ChunkEnvelope("r1", 3, [chunk], "w1")
+    assert decode(ChunkEnvelope, encode(envelope)) == envelope
+
+
+def test_defaults_stay_off_the_wire():
+    wire = msgpack.unpackb(encode(ChunkEnvelope("r", 0, [GenerationChunk(text="x", token_count=1)])))
+    assert wire["chunks"] == [{"text": "x", "token_count": 1}]
+
+
+def test_unknown_fields_from_a_newer_writer_are_ignored():
+    wire = _request().to_wire()
+    wire["added_later"] = {"x": 1}
+    wire["params"]["new_sampling_knob"] = 0.3
+    assert decode(RequestEnvelope, msgpack.packb(wire)) == _request()
+
+
+@pytest.mark.parametrize("data, reason", [
+    (b"\xc1\xc1", "not a msgpack envelope"),
+    (msgpack.packb([1, 2]), "must be a map"),
+    (msgpack.packb({"v": 2, "request_id": "r", "seq": 0, "chunks": []}), "unsupported wire version"),
+    (msgpack.packb({"v": 1, "request_id": "r", "seq": 0, "chunks": "nope"}), "must be a list"),
+    (msgpack.packb({"v": 1, "seq": 0, "chunks": []}), "malformed ChunkEnvelope"),
+    (b"\x00" * (MAX_ENVELOPE_BYTES + 1), "exceeds"),
+])
+def test_bad_chunk_envelopes_are_refused(data, reason):
+    with pytest.raises(EnvelopeError, match=reason):
+        decode(ChunkEnvelope, data)
+
+
+def test_bad_request_kind_is_refused():
+    wire = _request().to_wire()
+    wire["kind"] = "embedding"
+    with pytest.raises(EnvelopeError, match="unknown request kind"):
+        decode(RequestEnvelope, msgpack.packb(wire))
+
+
+def test_errors_survive_the_wire():
+    error = error_from_info(InvalidRequest("too long", param="input_tokens").to_info())
+    assert isinstance(error, InvalidRequest)
+    assert (error.status, error.param, error.message) == (400, "input_tokens", "too long")

@@ -1,0 +1,94 @@
+"""Bad input gets vLLM's status and error type, in the OpenAI error shape, and touches no queue."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.conftest import SCRIPTED_MODEL, leftover_keys
+
+pytestmark = pytest.mark.integration
+
+M = SCRIPTED_MODEL
+USER = [{"role": "user", "content": "hi"}]
+BAD_REQUEST = (400, "Bad Request")  # schema rules, as vLLM's pydantic layer answers them
+BAD_PARAM = (400, "BadRequestError")  # sampling rules, as vLLM's SamplingParams answers them
+
+CASES = [
+    # (name, path, body (dict, or raw bytes), expected (status, type), expected param or None)
+    ("broken json", "chat", b'{"model": "x", "messages": [', BAD_REQUEST, None),
+    ("body is a list", "chat", b"[1, 2]", BAD_REQUEST, None),
+    ("missing messages", "chat", {"model": M}, BAD_REQUEST, "body.messages"),
+    ("messages is a string", "chat", {"model": M, "messages": "hi"}, BAD_REQUEST, "body.messages"),
+    ("messages empty", "chat", {"model": M, "messages": []}, BAD_REQUEST, "body.messages"),
+    ("unknown role", "chat", {"model": M, "messages": [{"role": "wizard", "content": "x"}]}, BAD_REQUEST, None),
+    ("user without content", "chat", {"model": M, "messages": [{"role": "user"}]}, BAD_REQUEST, None),
+    ("content is a number", "chat", {"model": M, "messages": [{"role": "user", "content": 5}]}, BAD_REQUEST, None),
+    ("unknown content part", "chat",
+     {"model": M, "messages": [{"role": "user", "content": [{"type": "video", "url": "x"}]}]}, BAD_REQUEST, None),
+    ("model is a number", "chat", {"model": 7, "messages": USER}, BAD_REQUEST, "body.model"),
+    ("unknown model", "chat", {"model": "no-such-model", "messages": USER}, (404, "NotFoundError"), "model"),
+    ("temperature negative", "chat", {"model": M, "messages": USER, "temperature": -1}, BAD_PARAM, "temperature"),
+    ("temperature above 2", "chat", {"model": M, "messages": USER, "temperature": 3}, BAD_PARAM, "temperature"),
+    ("temperature a word", "chat", {"model": M, "messages": USER, "temperature": "hot"}, BAD_REQUEST,
+     "body.temperature"),
+    ("top_p zero", "chat", {"model": M, "messages": USER, "top_p": 0}, BAD_PARAM, "top_p"),
+    ("top_p above 1", "chat", {"model": M, "messages": USER, "top_p": 1.5}, BAD_PARAM, "top_p"),
+    ("presence_penalty 3", "chat", {"model": M, "messages": USER, "presence_penalty": 3}, BAD_PARAM, None),
+    ("frequency_penalty -3", "chat", {"model": M, "messages": USER, "frequency_penalty": -3}, BAD_PARAM, None),
+    ("repetition_penalty 0", "chat", {"model": M, "messages": USER, "repetition_penalty": 0}, BAD_PARAM, None),
+    ("min_p 2", "chat", {"model": M, "messages": USER, "min_p": 2}, BAD_PARAM, None),
+    ("n zero", "chat", {"model": M, "messages": USER, "n": 0}, BAD_PARAM, "n"),
+    ("n 2 with greedy", "chat", {"model": M, "messages": USER, "n": 2, "temperature": 0}, BAD_PARAM, None),
+    ("max_tokens zero", "chat", {"model": M, "messages": USER, "max_tokens": 0}, BAD_PARAM, "max_tokens"),
+    ("max_tokens beyond context", "chat", {"model": M, "messages": USER, "max_tokens": 5000}, BAD_PARAM,
+     "max_tokens"),
+    ("max_completion_tokens beyond context", "chat",
+     {"model": M, "messages": USER, "max_completion_tokens": 4097}, BAD_PARAM, "max_tokens"),
+    ("min_tokens above max_tokens", "chat", {"model": M, "messages": USER, "max_tokens": 2, "min_tokens": 3},
+     BAD_PARAM, None),
+    ("stream_options without stream", "chat",
+     {"model": M, "messages": USER, "stream_options": {"include_usage": True}}, BAD_REQUEST, "stream_options"),
+    ("top_logprobs without logprobs", "chat", {"model": M, "messages": USER, "top_logprobs": 2}, BAD_REQUEST,
+     "top_logprobs"),
+    ("tools empty", "chat", {"model": M, "messages": USER, "tools": []}, BAD_REQUEST, "tools"),
+    ("tool_choice without tools", "chat", {"model": M, "messages": USER, "tool_choice": "required"}, BAD_REQUEST,
+     "tool_choice"),
+    ("five stop strings", "chat", {"model": M, "messages": USER, "stop": list("abcde")}, BAD_REQUEST, "stop"),
+    ("empty stop string", "chat", {"model": M, "messages": USER, "stop": [""]}, BAD_PARAM, None),
+    ("logit_bias key not a token id", "chat", {"model": M, "messages": USER, "logit_bias": {"abc": 1}}, BAD_PARAM,
+     "logit_bias"),
+    ("stream is a list", "chat", {"model": M, "messages": USER, "stream": [1]}, BAD_REQUEST, "body.stream"),
+    ("seed too large", "chat", {"model": M, "messages": USER, "seed": 2**70}, BAD_REQUEST, "body.seed"),
+    ("completion without prompt", "completions", {"model": M}, BAD_REQUEST, "body.prompt"),
+    ("completion empty prompt", "completions", {"model": M, "prompt": ""}, BAD_REQUEST, "prompt"),
+    ("completion with suffix", "completions", {"model": M, "prompt": "a", "suffix": "b"}, BAD_REQUEST, "suffix"),
+    ("completion logprobs a word", "completions", {"model": M, "prompt": "a", "logprobs": "many"}, BAD_REQUEST,
+     "body.logprobs"),
+    ("completion max_tokens beyond context", "completions", {"model": M, "prompt": "a", "max_tokens": 9999},
+     BAD_PARAM, "max_tokens"),
+]
+
+
+@pytest.mark.parametrize("name, path, body, expected, param", CASES, ids=[c[0] for c in CASES])
+def test_invalid_request(scripted_fleet, redis_client, name, path, body, expected, param):
+    gateway = scripted_fleet[0][0]
+    stream_key = f"llmfleet:requests:{M}"
+    queued_before = redis_client.xlen(stream_key)
+    url = f"{gateway.url}/v1/{'chat/completions' if path == 'chat' else 'completions'}"
+    if isinstance(body, bytes):
+        response = httpx.post(url, content=body, headers={"content-type": "application/json"})
+    else:
+        response = httpx.post(url, json=body)
+    assert (response.status_code, response.json()["error"]["type"]) == expected, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == expected[0] and error["message"]
+    if param is not None:
+        assert error["param"] == param
+    assert redis_client.xlen(stream_key) == queued_before
+    assert not leftover_keys(redis_client)
+
+
+def test_at_least_25_invalid_cases():
+    assert len(CASES) >= 25
