@@ -55,3 +55,27 @@ def leftover_keys(client: redis.Redis) -> list[str]:
         elif client.ttl(key) < 0:
             leftovers.append(f"{name} has no TTL")
     return leftovers
+
+
+class VLLMStack:
+    def __init__(self, gateway: Proc, worker: Proc, model: str, model_dir: str):
+        self.gateway, self.worker, self.model, self.model_dir = gateway, worker, model, model_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    from worker.tiny_model import write_tiny_model
+
+    return str(write_tiny_model(tmp_path_factory.mktemp("models") / "tiny"))
+
+
+@pytest.fixture(scope="session")
+def vllm_stack(redis_url: str, tiny_model_dir: str):
+    """One gateway and one vLLM worker on the tiny model (starting it takes ~30 s)."""
+    worker = start_worker(redis_url, tiny_model_dir, "--max-model-len", "2048", "--enforce-eager",
+                          engine="vllm", served_name="tiny", env={"VLLM_CPU_KVCACHE_SPACE": "1"}, timeout=240)
+    gateway = start_gateway(redis_url)
+    wait_until_served(gateway, "tiny")
+    yield VLLMStack(gateway, worker, "tiny", tiny_model_dir)
+    gateway.stop()
+    assert worker.stop(timeout=60) == 0, worker.log()[-3000:]

@@ -1,0 +1,130 @@
+"""End to end on a real vLLM worker serving the tiny random-weight model.
+
+The model's text is gibberish, so assertions are made exact with greedy decoding, seeds and
+logit_bias, and token counts are checked against the model's own tokenizer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from tests.conftest import leftover_keys
+from tests.procs import wait_for
+
+pytestmark = pytest.mark.vllm
+
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Tell me about the sea."}]
+
+
+@pytest.fixture(scope="module")
+def client(vllm_stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{vllm_stack.gateway.url}/v1", api_key="x", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(vllm_stack):
+    return AutoTokenizer.from_pretrained(vllm_stack.model_dir)
+
+
+def _stream_chat(client, **kwargs) -> tuple[str, str | None, object]:
+    text, finish, usage = "", None, None
+    for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs):
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+    return text, finish, usage
+
+
+def test_chat_stream_joins_to_the_non_streaming_text(client, tokenizer, vllm_stack):
+    request = dict(model=vllm_stack.model, messages=MESSAGES, max_tokens=24, temperature=0)
+    whole = client.chat.completions.create(**request)
+    text, finish, usage = _stream_chat(client, **request)
+    assert whole.choices[0].message.content and text == whole.choices[0].message.content
+    assert finish == whole.choices[0].finish_reason == "length"
+    prompt_ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert whole.usage.prompt_tokens == usage.prompt_tokens == len(prompt_ids)
+    assert whole.usage.completion_tokens == usage.completion_tokens == 24
+
+
+def test_completion_stream_joins_to_the_non_streaming_text(client, tokenizer, vllm_stack):
+    request = dict(model=vllm_stack.model, prompt="The harbour at dawn", max_tokens=20, temperature=0, logprobs=2)
+    whole = client.completions.create(**request)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **request))
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert streamed == whole.choices[0].text
+    assert len(whole.choices[0].logprobs.tokens) == whole.usage.completion_tokens == 20
+    assert "".join(whole.choices[0].logprobs.tokens) == whole.choices[0].text
+    assert whole.usage.prompt_tokens == len(tokenizer("The harbour at dawn").input_ids)
+    assert chunks[-1].usage.completion_tokens == 20
+
+
+def test_logit_bias_forces_a_known_token(client, tokenizer, vllm_stack):
+    token_id = tokenizer.convert_tokens_to_ids(tokenizer.tokenize(" sea")[0])
+    result = client.chat.completions.create(model=vllm_stack.model, messages=MESSAGES, max_tokens=5,
+                                            logit_bias={str(token_id): 100})
+    assert tokenizer.encode(result.choices[0].message.content, add_special_tokens=False) == [token_id] * 5
+
+
+def test_seeded_sampling_repeats_and_n_gives_distinct_choices(client, vllm_stack):
+    request = dict(model=vllm_stack.model, messages=MESSAGES, max_tokens=12, temperature=1.0, seed=1234)
+    first = client.chat.completions.create(**request).choices[0].message.content
+    assert client.chat.completions.create(**request).choices[0].message.content == first
+    several = client.chat.completions.create(n=3, **request)
+    assert [c.index for c in several.choices] == [0, 1, 2]
+    assert several.usage.completion_tokens == 36
+
+
+def test_async_sdk_concurrent_streams(vllm_stack):
+    async def main():
+        client = openai.AsyncOpenAI(base_url=f"{vllm_stack.gateway.url}/v1", api_key="x", max_retries=0)
+
+        async def one(i: int) -> str:
+            stream = await client.chat.completions.create(
+                model=vllm_stack.model, messages=[{"role": "user", "content": f"number {i}"}], max_tokens=16,
+                temperature=0, stream=True)
+            return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+        streamed = await asyncio.gather(*(one(i) for i in range(8)))
+        whole = [(await client.chat.completions.create(
+            model=vllm_stack.model, messages=[{"role": "user", "content": f"number {i}"}], max_tokens=16,
+            temperature=0)).choices[0].message.content for i in range(8)]
+        return streamed, whole
+
+    streamed, whole = asyncio.run(main())
+    assert streamed == whole
+    assert len(set(whole)) > 1  # different prompts, different greedy text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_prompt_longer_than_the_context_is_a_400(vllm_stack, redis_client, stream):
+    long_prompt = " ".join(["harbour"] * 3000)
+    response = httpx.post(f"{vllm_stack.gateway.url}/v1/completions", timeout=60, json={
+        "model": vllm_stack.model, "prompt": long_prompt, "max_tokens": 4, "stream": stream})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "BadRequestError" and "maximum context length" in error["message"]
+    wait_for(lambda: not leftover_keys(redis_client), 5, "the request entry to be acknowledged")
+
+
+def test_max_tokens_beyond_context_is_a_400(vllm_stack):
+    response = httpx.post(f"{vllm_stack.gateway.url}/v1/chat/completions", json={
+        "model": vllm_stack.model, "messages": MESSAGES, "max_tokens": 5000})
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == (
+        "max_tokens=5000 cannot be greater than max_model_len=2048. Please request fewer output tokens.")
+
+
+def test_default_max_tokens_is_the_room_left_in_the_context(client, vllm_stack):
+    messages = [{"role": "user", "content": " ".join(["harbour"] * 300)}]
+    chat = client.chat.completions.create(model=vllm_stack.model, messages=messages, temperature=0)
+    assert chat.usage.prompt_tokens + chat.usage.completion_tokens == 2048
+    assert chat.choices[0].finish_reason == "length"
+    # Legacy completions default to 16 tokens, as on vllm serve.
+    completion = client.completions.create(model=vllm_stack.model, prompt="harbour", temperature=0)
+    assert completion.usage.completion_tokens == 16
