@@ -43,13 +43,19 @@ def option(name: str, **kwargs):
 @option("host", default="0.0.0.0")
 @option("port", default=8000, type=int)
 @option("redis-url", default=DEFAULT_REDIS_URL)
-@option("request-timeout", default=600.0, type=float, help="Seconds before a request is abandoned.")
-def gateway(host: str, port: int, redis_url: str, request_timeout: float) -> None:
+@option("request-timeout", default=600.0, type=float, help="Seconds before a request is abandoned (default and "
+        "cap of a request's `timeout`).")
+@option("queue-timeout", default=60.0, type=float, help="Seconds a request may wait for a worker before a 503.")
+@option("drain-grace", default=30.0, type=float, help="On SIGTERM, seconds open requests may take to finish.")
+def gateway(host: str, port: int, redis_url: str, request_timeout: float, queue_timeout: float,
+            drain_grace: float) -> None:
     """Run a gateway (HTTP API) process."""
     from gateway.fleet import GatewaySettings
     from gateway.main import serve
 
-    serve(GatewaySettings(redis_url=redis_url, request_timeout_s=request_timeout), host, port,
+    settings = GatewaySettings(redis_url=redis_url, request_timeout_s=request_timeout, queue_timeout_s=queue_timeout,
+                               drain_grace_s=drain_grace)
+    serve(settings, host, port,
           logging.getLevelName(logging.getLogger().level).lower())
 
 

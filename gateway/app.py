@@ -16,6 +16,7 @@ from starlette.responses import Response
 from gateway import openai_chat, openai_completions
 from gateway.errors import error_body, install_error_handlers, json_response
 from gateway.fleet import Fleet, GatewaySettings
+from gateway.protocol import CancelRequest
 
 
 def create_app(settings: GatewaySettings | None = None) -> FastAPI:
@@ -35,6 +36,15 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     install_error_handlers(app)
     app.include_router(openai_chat.router)
     app.include_router(openai_completions.router)
+
+    @app.post("/v1/cancel")
+    async def cancel(body: CancelRequest, request: Request) -> Response:
+        cancels = request.app.state.fleet.cancels
+        if body.cancel_id is not None:
+            count = await cancels.cancel(cancel_id=body.cancel_id)
+        else:
+            count = await cancels.cancel(request_id=body.request_id)
+        return json_response({"cancelled": count})
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:

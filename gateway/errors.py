@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
@@ -84,7 +85,12 @@ async def _on_http_error(_request: Request, exc: HTTPException) -> Response:
                          exc.status_code, getattr(exc, "headers", None))
 
 
+async def _on_redis_error(_request: Request, exc: Exception) -> Response:
+    return json_response(error_body(f"The request queue is unreachable; try again shortly. ({exc})", 503), 503)
+
+
 def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(RedisError, _on_redis_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(FleetError, _on_fleet_error)
     app.add_exception_handler(HTTPException, _on_http_error)

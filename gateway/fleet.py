@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -18,20 +19,25 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from gateway import metrics
+from gateway.cancel import CancelRegistry
 from gateway.registry import WorkerRegistry
 from gateway.relay import ReplyRouter
 from shared import keys
 from shared.codec import encode
-from shared.envelopes import CancelNotice, ChunkEnvelope, GenerationChunk, RequestEnvelope
+from shared.envelopes import Candidate, ChunkEnvelope, GenerationChunk, RequestEnvelope, Usage
 from shared.errors import ServiceUnavailable, error_from_info
 
 log = logging.getLogger(__name__)
+
+DEADLINE_GRACE_S = 5.0
 
 
 @dataclass(slots=True)
 class GatewaySettings:
     redis_url: str = "redis://127.0.0.1:6379/0"
-    request_timeout_s: float = 600.0
+    request_timeout_s: float = 600.0  # default and cap of a request's `timeout`
+    queue_timeout_s: float = 60.0  # a request not started by then is dropped with a 503
+    drain_grace_s: float = 30.0  # on SIGTERM, how long open requests may finish
     gateway_id: str = ""
 
     def __post_init__(self) -> None:
@@ -47,6 +53,7 @@ class Run:
         self.request_id = envelope.request_id
         self._replies = replies
         self.finished = False
+        self.closed = False
         self.worker_id = ""
 
     async def __aenter__(self) -> Run:
@@ -57,7 +64,8 @@ class Run:
 
     async def chunks(self) -> AsyncIterator[GenerationChunk]:
         """Every chunk of the request, in order, ending with its terminal chunk."""
-        deadline = self.envelope.deadline
+        # The worker ends a generation at its deadline; the grace lets that ending arrive first.
+        deadline = self.envelope.deadline + DEADLINE_GRACE_S
         while not self.finished:
             timeout = deadline - time.time()
             try:
@@ -82,10 +90,13 @@ class Run:
 
     def close(self, reason: str = "disconnect") -> None:
         """Stop following the request; if it has not ended, cancel it on its worker."""
+        if self.closed:
+            return
+        self.closed = True
         self.fleet.router.close(self.request_id)
-        if not self.finished:
-            self.finished = True
-            self.fleet.cancel_soon([self.request_id], reason)
+        cancel = None if self.finished else reason
+        self.finished = True
+        self.fleet.after_run(self, cancel)
 
 
 class Fleet:
@@ -95,6 +106,8 @@ class Fleet:
                                              health_check_interval=10)
         self.router = ReplyRouter(self.redis, settings.gateway_id)
         self.registry = WorkerRegistry(self.redis)
+        self.cancels = CancelRegistry(self.redis, settings.gateway_id)
+        self.draining = False
         self._tasks: set[asyncio.Task] = set()
 
     async def start(self) -> None:
@@ -113,31 +126,53 @@ class Fleet:
         task.add_done_callback(self._tasks.discard)
 
     async def ready(self) -> bool:
+        if self.draining:
+            return False
         try:
             return bool(await self.redis.ping())
         except (RedisError, OSError):
             return False
 
     async def submit(self, envelope: RequestEnvelope) -> Run:
-        """Queue the request for its model's workers and return its `Run`."""
+        """Register the request and queue it for its model's workers; return its `Run`."""
+        if self.draining:
+            raise ServiceUnavailable("This gateway is shutting down; retry on another replica.")
         envelope.reply_to = self.router.stream
         replies = self.router.open(envelope.request_id)
+        run = Run(self, envelope, replies)
         try:
+            if await self.cancels.register(envelope.request_id, envelope.cancel_id, self._ttl(envelope)):
+                replies.put_nowait(ChunkEnvelope(envelope.request_id, 0, [_cancelled_before_start(envelope)]))
+                return run
             await self.redis.xadd(keys.request_stream(envelope.model), {keys.ENVELOPE_FIELD: encode(envelope)},
                                   maxlen=keys.REQUEST_STREAM_MAXLEN, approximate=True)
         except (RedisError, OSError) as exc:
             self.router.close(envelope.request_id)
             raise ServiceUnavailable("The request queue is unreachable; try again shortly.") from exc
         metrics.SUBMITTED.labels(envelope.model).inc()
-        return Run(self, envelope, replies)
+        return run
 
-    def cancel_soon(self, request_ids: list[str], reason: str) -> None:
-        """Publish a cancel in the background: callers are often being cancelled themselves."""
-        self._spawn(self._publish_cancel(CancelNotice(request_ids, reason)))
+    @staticmethod
+    def _ttl(envelope: RequestEnvelope) -> int:
+        return max(1, math.ceil(envelope.deadline - time.time())) + 5
 
-    async def _publish_cancel(self, notice: CancelNotice) -> None:
+    def after_run(self, run: Run, cancel_reason: str | None) -> None:
+        """Unregister a closed run, cancelling it first if it had not ended; in the background,
+        since callers are often being cancelled themselves."""
+        self._spawn(self._after_run(run, cancel_reason))
+
+    async def _after_run(self, run: Run, cancel_reason: str | None) -> None:
         try:
-            await self.redis.publish(keys.CANCEL_CHANNEL, encode(notice))
-            metrics.CANCELS.labels(notice.reason).inc(len(notice.request_ids))
+            if cancel_reason is not None:
+                await self.cancels.cancel_requests([run.request_id], cancel_reason)
+                metrics.CANCELS.labels(cancel_reason).inc()
+            await self.cancels.finish(run.request_id, run.envelope.cancel_id, self._ttl(run.envelope))
         except (RedisError, OSError) as exc:
-            log.warning("publishing a cancel failed: %s", exc)
+            log.warning("unregistering request %s failed: %s", run.request_id, exc)
+
+
+def _cancelled_before_start(envelope: RequestEnvelope) -> GenerationChunk:
+    n = envelope.params.n
+    return GenerationChunk(done=True, finish_reason="cancelled", usage=Usage(),
+                           candidates=None if envelope.stream else
+                           [Candidate(i, finish_reason="cancelled") for i in range(n)])

@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from gateway.fleet import GatewaySettings
 from gateway.protocol import ChatCompletionRequest, check_sampling
 from gateway.serving import serve_generation
 from shared.envelopes import Candidate, GenerationChunk, RequestEnvelope, ToolCallDelta, Usage
@@ -140,17 +141,20 @@ class ChatFormatter:
                 "finish_reason": candidate.finish_reason, "stop_reason": candidate.stop_reason}
 
 
-def chat_envelope(body: ChatCompletionRequest, model: str, max_model_len: int, timeout_s: float) -> RequestEnvelope:
+def chat_envelope(body: ChatCompletionRequest, model: str, max_model_len: int,
+                  settings: GatewaySettings) -> RequestEnvelope:
     params = body.sampling_options(body.requested_max_tokens, body.logprobs_count, echo=False)
     check_sampling(params, max_model_len)
     now = time.time()
+    timeout = min(body.timeout or settings.request_timeout_s, settings.request_timeout_s)
     return RequestEnvelope(
         request_id=uuid.uuid4().hex,
         model=model,
         kind="chat",
         reply_to="",
         arrival=now,
-        deadline=now + timeout_s,
+        deadline=now + timeout,
+        queue_deadline=now + min(settings.queue_timeout_s, timeout),
         stream=body.stream,
         messages=[m.model_dump(exclude_none=True) for m in body.messages],
         params=params,
@@ -168,5 +172,5 @@ def chat_envelope(body: ChatCompletionRequest, model: str, max_model_len: int, t
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     fleet = request.app.state.fleet
     view = await fleet.registry.resolve(body.model)
-    envelope = chat_envelope(body, view.name, view.max_model_len, fleet.settings.request_timeout_s)
+    envelope = chat_envelope(body, view.name, view.max_model_len, fleet.settings)
     return await serve_generation(request, fleet, envelope, ChatFormatter(body, envelope))

@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from gateway.openai_chat import usage_body
+from gateway.fleet import GatewaySettings
 from gateway.protocol import CompletionRequest, check_sampling
 from gateway.serving import serve_generation
 from shared.envelopes import GenerationChunk, RequestEnvelope, TokenLogprob, Usage
@@ -94,17 +95,19 @@ class CompletionFormatter:
 
 
 def completion_envelope(body: CompletionRequest, model: str, max_model_len: int,
-                        timeout_s: float) -> RequestEnvelope:
+                        settings: GatewaySettings) -> RequestEnvelope:
     params = body.sampling_options(body.max_tokens, body.logprobs, echo=body.echo)
     check_sampling(params, max_model_len)
     now = time.time()
+    timeout = min(body.timeout or settings.request_timeout_s, settings.request_timeout_s)
     return RequestEnvelope(
         request_id=uuid.uuid4().hex,
         model=model,
         kind="completion",
         reply_to="",
         arrival=now,
-        deadline=now + timeout_s,
+        deadline=now + timeout,
+        queue_deadline=now + min(settings.queue_timeout_s, timeout),
         stream=body.stream,
         prompt=body.prompt,
         params=params,
@@ -118,5 +121,5 @@ def completion_envelope(body: CompletionRequest, model: str, max_model_len: int,
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     fleet = request.app.state.fleet
     view = await fleet.registry.resolve(body.model)
-    envelope = completion_envelope(body, view.name, view.max_model_len, fleet.settings.request_timeout_s)
+    envelope = completion_envelope(body, view.name, view.max_model_len, fleet.settings)
     return await serve_generation(request, fleet, envelope, CompletionFormatter(body, envelope))

@@ -114,6 +114,7 @@ class GenerationRequest(OpenAIModel):
     structured_outputs: dict[str, Any] | None = None
     user: str | None = None
     cancel_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    timeout: Annotated[float, Field(gt=0)] | None = None  # seconds; capped by the gateway's limit
 
     @field_validator("stop")
     @classmethod
@@ -266,3 +267,23 @@ def check_sampling(options: SamplingOptions, max_model_len: int) -> None:
         except ValueError:
             raise InvalidRequest(f"logit_bias contains key(s) that cannot be converted to integer token IDs: "
                                  f"[{key!r}]", param="logit_bias") from None
+
+
+class CancelRequest(OpenAIModel):
+    """POST /v1/cancel: by the run's `cancel_id` (exclusive), or by the response `id` a client saw."""
+
+    cancel_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+
+    @model_validator(mode="after")
+    def _one_target(self) -> CancelRequest:
+        if self.cancel_id is None and self.id is None:
+            raise FieldRuleError("give `cancel_id` or `id`: an empty cancel never cancels everything",
+                                 param="cancel_id")
+        return self
+
+    @property
+    def request_id(self) -> str | None:
+        if self.id is None:
+            return None
+        return self.id.removeprefix("chatcmpl-").removeprefix("cmpl-")

@@ -108,6 +108,7 @@ class RequestEnvelope:
     chat_template_kwargs: dict[str, Any] | None = None
     cancel_id: str | None = None
     v: int = WIRE_VERSION
+    queue_deadline: float = 0.0  # wall-clock seconds; a worker drops the request unstarted after it
 
     def to_wire(self) -> dict[str, Any]:
         out = _compact(self)

@@ -8,6 +8,12 @@
 |                                   |         | by its gateway; workers never create it     |
 | llmfleet:worker:{worker_id}       | string  | TTL HEARTBEAT_TTL_S                         |
 | llmfleet:model:{model}            | string  | TTL MODEL_MEMORY_TTL_S ("was served lately")|
+| llmfleet:run:{request_id}         | string  | TTL: the request's deadline (its gateway)   |
+| llmfleet:cancelled:{request_id}   | string  | TTL CANCEL_MEMORY_TTL_S; consumed by the    |
+|                                   |         | worker that claims the request              |
+| llmfleet:cancel-id:{cancel_id}    | string  | TTL: the run's deadline; "done" afterwards  |
+| llmfleet:cancel-early:{cancel_id} | string  | TTL CANCEL_MEMORY_TTL_S; consumed when the  |
+|                                   |         | run with that cancel_id registers           |
 | llmfleet:cancel                   | pub/sub | no storage                                  |
 """
 
@@ -24,6 +30,7 @@ HEARTBEAT_TTL_S = 5
 HEARTBEAT_INTERVAL_S = 1.0
 MODEL_MEMORY_TTL_S = 3600
 
+CANCEL_MEMORY_TTL_S = 600  # how long a cancel waits for its run to show up
 CANCEL_CHANNEL = f"{PREFIX}:cancel"
 ENVELOPE_FIELD = b"e"  # the one field of every stream entry
 
@@ -45,3 +52,19 @@ WORKER_KEY_PATTERN = f"{PREFIX}:worker:*"
 
 def model_key(model: str) -> str:
     return f"{PREFIX}:model:{model}"
+
+
+def run_key(request_id: str) -> str:
+    return f"{PREFIX}:run:{request_id}"
+
+
+def cancelled_key(request_id: str) -> str:
+    return f"{PREFIX}:cancelled:{request_id}"
+
+
+def cancel_id_key(cancel_id: str) -> str:
+    return f"{PREFIX}:cancel-id:{cancel_id}"
+
+
+def early_cancel_key(cancel_id: str) -> str:
+    return f"{PREFIX}:cancel-early:{cancel_id}"

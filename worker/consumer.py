@@ -15,14 +15,16 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 from shared import keys
 from shared.codec import decode, encode
-from shared.envelopes import CancelNotice, GenerationChunk, RequestEnvelope, WorkerInfo
-from shared.errors import EngineError, EnvelopeError, FleetError
+from shared.envelopes import Candidate, CancelNotice, GenerationChunk, RequestEnvelope, Usage, WorkerInfo
+from shared.errors import EngineError, EnvelopeError, FleetError, ServiceUnavailable
 from worker import metrics
 from worker.adapter import GenerationAdapter
 from worker.aggregate import collect_candidates
@@ -46,6 +48,8 @@ class RequestConsumer:
         self.started = time.time()
         self.draining = False
         self._running: dict[str, asyncio.Task] = {}
+        self._cancel_requested: dict[str, str] = {}  # request id -> cause
+        self._progress: dict[str, _Progress] = {}
         self._slot_freed = asyncio.Event()
 
     @property
@@ -123,19 +127,45 @@ class RequestConsumer:
     async def run_request(self, entry_id: str, request: RequestEnvelope) -> None:
         metrics.IN_FLIGHT.labels(self.model).set(self.in_flight)
         metrics.QUEUE_TIME.labels(self.model).observe(max(0.0, time.time() - request.arrival))
-        if not isinstance(self.adapter, GenerationAdapter):
-            terminal = _error_terminal(EngineError(f"{type(self.adapter).__name__} cannot generate text"))
-        else:
+        terminal = await self._refuse_unstarted(request)
+        if terminal is None:
             terminal = await self._generate(request)
+        if self._cancel_requested.pop(request.request_id, None) == "deadline":
+            terminal.stop_reason = "deadline"  # the finish says why: the request ran out of time
         metrics.REQUESTS.labels(self.model, terminal.finish_reason or "unknown").inc()
         if terminal.usage is not None:
             metrics.GENERATED_TOKENS.labels(self.model).inc(terminal.usage.completion_tokens)
         flushed = self.publisher.finish(request.reply_to, request.request_id, terminal, (self.stream, entry_id))
         await asyncio.shield(flushed)
 
+    async def _refuse_unstarted(self, request: RequestEnvelope) -> GenerationChunk | None:
+        """The terminal chunk of a request that must not start (cancelled or stale), else None."""
+        try:  # GETDEL: a cancel stashed while the request was queued is consumed exactly once
+            stashed = await self.redis.getdel(keys.cancelled_key(request.request_id))
+        except RedisError:
+            stashed = None
+        cause = stashed.decode() if stashed else self._cancel_requested.get(request.request_id)
+        if cause is not None:
+            metrics.CANCELS.labels(self.model, cause, "queued").inc()
+            return _cancelled_terminal(request)
+        if not isinstance(self.adapter, GenerationAdapter):
+            return _error_terminal(EngineError(f"{type(self.adapter).__name__} cannot generate text"))
+        waited = time.time() - request.arrival
+        if request.queue_deadline and time.time() > request.queue_deadline:
+            metrics.QUEUE_TIMEOUTS.labels(self.model).inc()
+            return _error_terminal(ServiceUnavailable(
+                f"The request waited {waited:.1f}s in the queue, past its queue timeout; the fleet is "
+                "overloaded, retry later.", code="queue_timeout"))
+        return None
+
     async def _generate(self, request: RequestEnvelope) -> GenerationChunk:
         """Run the adapter, publishing deltas; return the terminal chunk (not yet published)."""
-        chunks = self.adapter.generate(request)
+        chunks = self._observe(request, self.adapter.generate(request))
+        deadline = None
+        if request.deadline:
+            delay = max(0.0, request.deadline - time.time())
+            deadline = asyncio.get_running_loop().call_later(
+                delay, lambda: asyncio.ensure_future(self.cancel(request.request_id, "deadline")))
         try:
             if not request.stream:
                 return await collect_candidates(chunks, request.params.n)
@@ -147,11 +177,35 @@ class RequestConsumer:
         except FleetError as exc:
             return _error_terminal(exc)
         except asyncio.CancelledError:
+            if request.request_id in self._cancel_requested:  # forced after an ignored abort
+                return _cancelled_terminal(request)
             raise
         except Exception as exc:  # an engine bug must fail this request, not the worker
             log.exception("request %s failed", request.request_id)
             return _error_terminal(EngineError(f"generation failed: {exc}"))
         finally:
+            if deadline is not None:
+                deadline.cancel()
+            await chunks.aclose()
+
+    async def _observe(self, request: RequestEnvelope, chunks) -> AsyncIterator[GenerationChunk]:
+        """Pass chunks through, tracking the phase and tokens a cancel would interrupt."""
+        request_id = request.request_id
+        state = self._progress[request_id] = _Progress()
+        try:
+            async for chunk in chunks:
+                state.tokens += chunk.token_count
+                if chunk.first_token:
+                    state.phase = "decode"
+                if request_id in self._cancel_requested and not state.reaborted:
+                    # The abort may have reached the adapter before the engine knew the request.
+                    state.reaborted = True
+                    await self.adapter.abort(request_id)
+                if chunk.done and state.tokens_at_cancel is not None:
+                    metrics.TOKENS_AFTER_CANCEL.labels(self.model).inc(state.tokens - state.tokens_at_cancel)
+                yield chunk
+        finally:
+            self._progress.pop(request_id, None)
             await chunks.aclose()
 
     async def _listen_for_cancels(self) -> None:
@@ -168,15 +222,20 @@ class RequestConsumer:
                     continue
                 for request_id in notice.request_ids:
                     if request_id in self._running:
-                        await self.cancel(request_id)
+                        asyncio.ensure_future(self.cancel(request_id, notice.reason))
         finally:
             await pubsub.aclose()
 
-    async def cancel(self, request_id: str) -> None:
+    async def cancel(self, request_id: str, cause: str) -> None:
         """Abort a running request; force it if the adapter does not end it in time."""
         task = self._running.get(request_id)
-        if task is None:
+        if task is None or request_id in self._cancel_requested:
             return
+        self._cancel_requested[request_id] = cause
+        state = self._progress.get(request_id)
+        if state is not None:
+            state.tokens_at_cancel = state.tokens
+            metrics.CANCELS.labels(self.model, cause, state.phase).inc()
         await self.adapter.abort(request_id)
         done, _ = await asyncio.wait({task}, timeout=ABORT_GRACE_S)
         if not done:
@@ -206,6 +265,20 @@ class RequestConsumer:
             await asyncio.gather(*self._running.values(), return_exceptions=True)
         with contextlib.suppress(RedisError):
             await self.redis.delete(keys.worker_key(self.worker_id))
+
+
+@dataclass(slots=True)
+class _Progress:
+    phase: str = "prefill"
+    tokens: int = 0
+    tokens_at_cancel: int | None = None
+    reaborted: bool = False
+
+
+def _cancelled_terminal(request: RequestEnvelope) -> GenerationChunk:
+    candidates = None if request.stream else [Candidate(i, finish_reason="cancelled")
+                                              for i in range(request.params.n)]
+    return GenerationChunk(done=True, finish_reason="cancelled", usage=Usage(), candidates=candidates)
 
 
 def _error_terminal(error: FleetError) -> GenerationChunk:

@@ -10,3 +10,9 @@ QUEUE_TIME = Histogram("llmfleet_worker_queue_seconds", "Time from gateway arriv
 GENERATED_TOKENS = Counter("llmfleet_worker_generated_tokens_total", "Completion tokens generated", ["model"])
 POISON_MESSAGES = Counter("llmfleet_worker_poison_messages_total", "Malformed request envelopes dropped",
                           ["model"])
+CANCELS = Counter("llmfleet_worker_cancels_total", "Requests cancelled, by cause and phase",
+                  ["model", "cause", "phase"])
+TOKENS_AFTER_CANCEL = Counter("llmfleet_worker_tokens_after_cancel_total",
+                              "Tokens the engine produced after a cancel reached the worker", ["model"])
+QUEUE_TIMEOUTS = Counter("llmfleet_worker_queue_timeouts_total", "Requests dropped unstarted after their queue "
+                         "timeout", ["model"])

@@ -15,8 +15,10 @@ The output is byte-for-byte reproducible: fixed seed, no timestamps, fixed
 safetensors metadata, deterministic BPE training and sorted JSON keys.
 
 Model shape.  hidden 128 with 2 heads gives head_dim 64; vLLM's CPU attention
-kernel rejects small head sizes such as 16.  float32 is used because the CPUs
-we run on lack AVX512-BF16, where bfloat16 would be emulated.  The weights use
+kernel rejects small head sizes such as 16.  Weights are stored as float32,
+but vLLM's ``dtype="auto"`` downcasts float32 checkpoints to bfloat16 on CPU;
+on AVX2-only CPUs (no AVX512-BF16) bf16 decodes about 2x slower in batches, so
+engines serving this model should pass ``dtype="float32"``.  The weights use
 fan-in scaling (not the usual std 0.02) so attention actually mixes the
 context: with tiny weights the residual stream is just the current token's
 embedding, the model degenerates into a bigram table and every chat prompt
@@ -39,9 +41,9 @@ tag tokens are ``special=False``, as in Qwen2.5/Qwen3 and DeepSeek-R1:
   purely on the decoded *text* (it searches for "<tool_call>"), so the tags
   must survive detokenization.  vLLM's detokenizer uses
   ``tokenizers.decoders.DecodeStream(skip_special_tokens=...)``, which drops
-  added tokens flagged special.  The parser's ``adjust_request`` does force
-  ``skip_special_tokens=False`` when a request has tools, but that would also
-  leak ``<|im_start|>`` etc.; with special=False no such override is needed.
+  added tokens flagged special.  The parser's ``adjust_request`` forces
+  ``skip_special_tokens=False`` for requests with tools (for models whose
+  tags are special); with special=False the tags survive either way.
 * The deepseek_r1 reasoning parser looks ``<think>``/``</think>`` up in
   ``tokenizer.get_vocab()`` (the constructor raises if missing) and matches
   their token ids while streaming, but non-streaming ``extract_reasoning``
@@ -50,7 +52,12 @@ tag tokens are ``special=False``, as in Qwen2.5/Qwen3 and DeepSeek-R1:
 * deepseek_r1 semantics: output without "</think>" is all reasoning.  In
   streaming mode vLLM first checks the prompt (``is_reasoning_end``), so
   ``enable_thinking=False`` (the prompt ends in an empty think block) streams
-  content; non-streaming responses are parsed from the output text only.
+  content; non-streaming responses are parsed from the output text only, so
+  this random model's answers come back entirely as ``reasoning``.  Forced
+  tool calls (``tool_choice`` required/named) are grammar-constrained only
+  after reasoning ends, so test tool calling on a server without a reasoning
+  parser.  (Without ``"strict": true`` on a tool, vLLM leaves its arguments
+  unconstrained and the random model may emit e.g. ``"arguments": false``.)
 
 ``<|im_end|>`` ends a chat turn, so generation_config lists both ``</s>`` and
 ``<|im_end|>`` as EOS ids; it has no sampling defaults on purpose.

@@ -1,0 +1,85 @@
+"""Cancels that work from any gateway replica, at any moment of a request's life.
+
+The registry lives in Redis, not in a process, so `POST /v1/cancel` on one replica stops a run
+streaming through another. Three paths reach a worker:
+
+- a running request: a `CancelNotice` on the pub/sub channel; the worker aborts its engine;
+- a queued request: `cancelled:{request_id}` is stashed first, and the worker that claims the
+  request consumes it (DEL) before starting, so the request never runs;
+- a run not registered yet (the cancel beat the request to the gateway): `cancel-early:{id}`
+  is stashed, and registering a run with that cancel_id consumes it atomically.
+
+Registering a run and cancelling by cancel_id are each one Lua script, so there is no
+check-then-act window between them. A finished run leaves `cancel-id:{id}` = "done" behind
+(for as long as the run could have lasted), so a late cancel for it is a no-op instead of a
+stash that could hit a later run.
+"""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+
+from shared import keys
+from shared.codec import encode
+from shared.envelopes import CancelNotice
+
+DONE = b"done"
+
+# KEYS: cancel-id, cancel-early, run; ARGV: request_id, ttl, gateway_id. Returns 1 if cancelled early.
+_REGISTER = """
+if redis.call('DEL', KEYS[2]) == 1 then return 1 end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+redis.call('SET', KEYS[3], ARGV[3], 'EX', ARGV[2])
+return 0
+"""
+
+# KEYS: cancel-id, cancel-early; ARGV: ttl. Returns the request id, "done", or nil (stashed).
+_CANCEL_BY_ID = """
+local request_id = redis.call('GET', KEYS[1])
+if request_id then return request_id end
+redis.call('SET', KEYS[2], '1', 'EX', ARGV[1])
+return false
+"""
+
+
+class CancelRegistry:
+    def __init__(self, redis: aioredis.Redis, gateway_id: str):
+        self.redis = redis
+        self.gateway_id = gateway_id
+        self._register = redis.register_script(_REGISTER)
+        self._cancel_by_id = redis.register_script(_CANCEL_BY_ID)
+
+    async def register(self, request_id: str, cancel_id: str | None, ttl: int) -> bool:
+        """Record a run before it is queued; True if a cancel for its cancel_id came first."""
+        if cancel_id is None:
+            await self.redis.set(keys.run_key(request_id), self.gateway_id, ex=ttl)
+            return False
+        keys_ = [keys.cancel_id_key(cancel_id), keys.early_cancel_key(cancel_id), keys.run_key(request_id)]
+        return bool(await self._register(keys=keys_, args=[request_id, ttl, self.gateway_id]))
+
+    async def finish(self, request_id: str, cancel_id: str | None, ttl: int) -> None:
+        pipe = self.redis.pipeline(transaction=False).delete(keys.run_key(request_id))
+        if cancel_id is not None:
+            pipe.set(keys.cancel_id_key(cancel_id), DONE, ex=ttl)
+        await pipe.execute()
+
+    async def cancel_requests(self, request_ids: list[str], reason: str) -> None:
+        """Stop these requests wherever they are: queued (stash) or running (notice)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for request_id in request_ids:
+            pipe.set(keys.cancelled_key(request_id), reason, ex=keys.CANCEL_MEMORY_TTL_S)
+        pipe.publish(keys.CANCEL_CHANNEL, encode(CancelNotice(request_ids, reason)))
+        await pipe.execute()
+
+    async def cancel(self, *, cancel_id: str | None = None, request_id: str | None = None) -> int:
+        """Cancel by cancel_id (exclusive) or by request id; returns how many runs it stopped."""
+        if cancel_id is not None:
+            found = await self._cancel_by_id(keys=[keys.cancel_id_key(cancel_id), keys.early_cancel_key(cancel_id)],
+                                             args=[keys.CANCEL_MEMORY_TTL_S])
+            if found is None or found == DONE:
+                return 0
+            request_id = found.decode()
+        if request_id is None or not await self.redis.exists(keys.run_key(request_id)):
+            return 0
+        await self.cancel_requests([request_id], "explicit")
+        return 1

@@ -1,0 +1,219 @@
+"""Cancellation and the request lifecycle, on scripted workers (real processes, real Redis).
+
+Each test gets its own model name and worker, so counts on the worker's metrics belong to it.
+Assertions wait on observable state (the worker's in-flight gauge, its cancel counters), not
+on sleeps.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+
+import httpx
+import pytest
+
+from tests.conftest import leftover_keys
+from tests.procs import metric_value, start_gateway, start_worker, wait_for, wait_until_served
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def slow_worker(redis_url, request):
+    """A worker of a fresh model that streams 20 tokens/s with at most 2 requests at once."""
+    model = f"slow-{uuid.uuid4().hex[:6]}"
+    worker = start_worker(redis_url, model, "--scripted-tokens-per-second", "20", "--max-concurrency", "1")
+    yield worker
+    worker.stop()
+
+
+@pytest.fixture(scope="module")
+def gateways(redis_url):
+    procs = [start_gateway(redis_url, "--queue-timeout", "3"), start_gateway(redis_url)]
+    yield procs
+    for proc in procs:
+        proc.stop()
+
+
+def _served(gateways, worker):
+    for gateway in gateways:
+        wait_until_served(gateway, worker.extra["model"])
+    return worker.extra["model"]
+
+
+def _in_flight(worker) -> float:
+    return metric_value(worker.url, "llmfleet_worker_in_flight")
+
+
+def _cancels(worker, **labels) -> float:
+    return metric_value(worker.url, "llmfleet_worker_cancels_total", **labels)
+
+
+def _events(lines):
+    """Parse SSE `data:` lines into JSON events, stopping at [DONE]."""
+    for line in lines:
+        if not line.startswith("data: "):
+            continue
+        if line == "data: [DONE]":
+            yield "[DONE]"
+            return
+        yield json.loads(line[6:])
+
+
+def _chat(model, **extra):
+    return {"model": model, "messages": [{"role": "user", "content": "tick tock"}], "max_tokens": 200, **extra}
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_disconnect_during_decode_stops_the_generation(gateways, slow_worker, n):
+    model = _served(gateways, slow_worker)
+    with httpx.stream("POST", f"{gateways[0].url}/v1/chat/completions",
+                      json=_chat(model, stream=True, n=n, temperature=1.0)) as response:
+        events = _events(response.iter_lines())
+        for _ in range(3 + n):  # role chunk(s), then some content
+            next(events)
+        wait_for(lambda: _in_flight(slow_worker) == 1, 5, "the request to be running")
+    wait_for(lambda: _in_flight(slow_worker) == 0, 5, "the worker to abort the request")
+    assert _cancels(slow_worker, cause="disconnect", phase="decode") == 1
+
+
+def test_disconnect_of_a_non_streaming_request(gateways, slow_worker):
+    model = _served(gateways, slow_worker)
+    done = threading.Event()
+
+    def call():
+        try:
+            httpx.post(f"{gateways[1].url}/v1/chat/completions", json=_chat(model), timeout=1.0)
+        except httpx.TimeoutException:
+            pass  # the client gives up after one second: its connection closes
+        done.set()
+
+    threading.Thread(target=call).start()
+    wait_for(done.is_set, 10, "the client to give up")
+    wait_for(lambda: _in_flight(slow_worker) == 0, 5, "the worker to abort the request")
+    assert _cancels(slow_worker, cause="disconnect") == 1
+
+
+def test_disconnect_while_queued_never_starts_the_request(gateways, slow_worker, redis_client):
+    model = _served(gateways, slow_worker)
+    with httpx.stream("POST", f"{gateways[0].url}/v1/chat/completions",
+                      json=_chat(model, stream=True, cancel_id="first")) as busy:
+        next(_events(busy.iter_lines()))  # the only slot is taken
+        with pytest.raises(httpx.ReadTimeout):  # the second request waits in the queue; we hang up
+            httpx.post(f"{gateways[0].url}/v1/chat/completions", json=_chat(model), timeout=0.5)
+        assert httpx.post(f"{gateways[1].url}/v1/cancel", json={"cancel_id": "first"}).json() == {"cancelled": 1}
+        list(busy.iter_lines())
+    wait_for(lambda: _cancels(slow_worker, phase="queued") == 1, 5, "the queued request to be dropped")
+    assert metric_value(slow_worker.url, "llmfleet_worker_generated_tokens_total") < 200
+    wait_for(lambda: _in_flight(slow_worker) == 0 and not leftover_keys(redis_client), 5, "a clean queue")
+
+
+def test_explicit_cancel_through_the_other_replica(gateways, slow_worker):
+    model = _served(gateways, slow_worker)
+    cancel_id = uuid.uuid4().hex
+    with httpx.stream("POST", f"{gateways[0].url}/v1/chat/completions",
+                      json=_chat(model, stream=True, cancel_id=cancel_id,
+                                 stream_options={"include_usage": True})) as response:
+        events = _events(response.iter_lines())
+        for _ in range(3):
+            next(events)
+        answer = httpx.post(f"{gateways[1].url}/v1/cancel", json={"cancel_id": cancel_id})
+        assert answer.json() == {"cancelled": 1}
+        rest = list(events)
+    finishes = [c["finish_reason"] for e in rest if e != "[DONE]" for c in e["choices"] if c["finish_reason"]]
+    assert finishes == ["cancelled"]
+    assert rest[-1] == "[DONE]"
+    assert 2 <= rest[-2]["usage"]["completion_tokens"] < 200
+    assert _cancels(slow_worker, cause="explicit", phase="decode") == 1
+
+
+def test_cancel_by_response_id(gateways, slow_worker):
+    model = _served(gateways, slow_worker)
+    with httpx.stream("POST", f"{gateways[1].url}/v1/chat/completions", json=_chat(model, stream=True)) as response:
+        events = _events(response.iter_lines())
+        response_id = next(events)["id"]
+        assert httpx.post(f"{gateways[0].url}/v1/cancel", json={"id": response_id}).json() == {"cancelled": 1}
+        rest = list(events)
+    assert [c["finish_reason"] for e in rest[:-1] for c in e["choices"] if c["finish_reason"]] == ["cancelled"]
+
+
+def test_cancel_before_the_request_is_sent(gateways, slow_worker):
+    model = _served(gateways, slow_worker)
+    cancel_id = uuid.uuid4().hex
+    assert httpx.post(f"{gateways[0].url}/v1/cancel", json={"cancel_id": cancel_id}).json() == {"cancelled": 0}
+    result = httpx.post(f"{gateways[1].url}/v1/chat/completions", json=_chat(model, cancel_id=cancel_id)).json()
+    assert result["choices"][0]["finish_reason"] == "cancelled"
+    assert result["usage"]["completion_tokens"] == 0
+    assert metric_value(slow_worker.url, "llmfleet_worker_requests_total") == 0  # never reached the worker
+
+
+def test_stale_cancel_id_touches_no_later_run(gateways, slow_worker):
+    model = _served(gateways, slow_worker)
+    short = {"max_tokens": 3}
+    first = httpx.post(f"{gateways[0].url}/v1/chat/completions", json=_chat(model, cancel_id="run-a", **short))
+    assert first.json()["choices"][0]["finish_reason"] == "length"
+    assert httpx.post(f"{gateways[1].url}/v1/cancel", json={"cancel_id": "run-a"}).json() == {"cancelled": 0}
+    second = httpx.post(f"{gateways[0].url}/v1/chat/completions", json=_chat(model, cancel_id="run-b", **short))
+    assert second.json()["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("body", [{}, {"cancel_id": ""}, {"unrelated": 1}])
+def test_an_empty_cancel_is_a_400(gateways, body):
+    response = httpx.post(f"{gateways[0].url}/v1/cancel", json=body)
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "Bad Request"
+
+
+def test_queue_timeout_is_a_clear_503(gateways, slow_worker):
+    model = _served(gateways, slow_worker)
+    with httpx.stream("POST", f"{gateways[0].url}/v1/chat/completions",
+                      json=_chat(model, stream=True, cancel_id="hog")) as busy:
+        next(_events(busy.iter_lines()))
+        waited = httpx.post(f"{gateways[0].url}/v1/chat/completions", json=_chat(model), timeout=30)
+        httpx.post(f"{gateways[0].url}/v1/cancel", json={"cancel_id": "hog"})
+    assert waited.status_code == 503
+    assert "queue timeout" in waited.json()["error"]["message"]
+
+
+def test_request_deadline_ends_the_generation(gateways, slow_worker):
+    model = _served(gateways, slow_worker)
+    result = httpx.post(f"{gateways[1].url}/v1/chat/completions", json=_chat(model, timeout=1.0), timeout=30).json()
+    choice = result["choices"][0]
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("cancelled", "deadline")
+    assert 5 <= result["usage"]["completion_tokens"] <= 40
+    assert _cancels(slow_worker, cause="deadline") == 1
+
+
+def test_worker_drain_finishes_open_streams(redis_url, redis_client, gateways):
+    model = f"drain-{uuid.uuid4().hex[:6]}"
+    worker = start_worker(redis_url, model, "--scripted-tokens-per-second", "50")
+    _served(gateways, worker)
+    with httpx.stream("POST", f"{gateways[0].url}/v1/chat/completions",
+                      json=_chat(model, stream=True, max_tokens=40)) as response:
+        events = _events(response.iter_lines())
+        next(events)
+        worker.popen.terminate()
+        rest = list(events)
+    assert rest[-1] == "[DONE]"
+    assert [c["finish_reason"] for e in rest[:-1] for c in e["choices"] if c["finish_reason"]] == ["length"]
+    assert worker.popen.wait(10) == 0
+    assert not list(redis_client.scan_iter(match=f"llmfleet:worker:*-{worker.pid}-*"))
+
+
+def test_gateway_drain_refuses_new_requests_and_finishes_open_ones(redis_url, slow_worker):
+    gateway = start_gateway(redis_url)
+    model = _served([gateway], slow_worker)
+    with httpx.stream("POST", f"{gateway.url}/v1/chat/completions",
+                      json=_chat(model, stream=True, max_tokens=30)) as response:
+        events = _events(response.iter_lines())
+        next(events)
+        gateway.popen.terminate()
+        wait_for(lambda: httpx.get(f"{gateway.url}/ready").status_code == 503, 5, "/ready to turn 503")
+        refused = httpx.post(f"{gateway.url}/v1/chat/completions", json=_chat(model))
+        assert refused.status_code == 503
+        rest = list(events)
+    assert rest[-1] == "[DONE]"
+    assert [c["finish_reason"] for e in rest[:-1] for c in e["choices"] if c["finish_reason"]] == ["length"]
+    assert gateway.popen.wait(15) == 0
