@@ -133,7 +133,7 @@ def up(port: int, redis_url: str, model: str | None) -> None:
         model = model or str(ensure_tiny_model())
         stack.spawn("gateway", "--port", str(port), "--redis-url", redis_url)
         stack.spawn("worker", "--model", model, "--served-model-name", "tiny" if "tiny" in model else model,
-                    "--redis-url", redis_url, "--max-model-len", "2048", "--enforce-eager",
+                    "--redis-url", redis_url, "--max-model-len", "2048", "--enforce-eager", "--dtype", "float32",
                     env={"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")})
         base_url = f"http://127.0.0.1:{port}"
         served = stack.wait_until_served(base_url)

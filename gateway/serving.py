@@ -53,11 +53,13 @@ async def serve_generation(request: Request, fleet: Fleet, envelope: RequestEnve
     run = await fleet.submit(envelope)
     metrics.OPEN_STREAMS.inc()
     try:
-        first, rest = await _race_disconnect(request, run, run.first_or_error())
+        first, rest = await _race_disconnect(request, run.first_or_error())
     except BaseException as exc:
         _finish(run, envelope, formatter, started, exc)
         if isinstance(exc, FleetError):
             return fleet_error_response(exc)
+        if isinstance(exc, ClientDisconnected):
+            return Response(status_code=499)  # nobody is listening; the run is cancelled
         raise
     _record_first_token(first, envelope)
     if envelope.stream:
@@ -70,8 +72,12 @@ async def serve_generation(request: Request, fleet: Fleet, envelope: RequestEnve
     return json_response(formatter.response(first))
 
 
-async def _race_disconnect(request: Request, run: Run, work):
-    """Await `work`, or close the run if the client hangs up first."""
+class ClientDisconnected(Exception):
+    """The client hung up before the response started."""
+
+
+async def _race_disconnect(request: Request, work):
+    """Await `work`, or raise ClientDisconnected if the client hangs up first."""
     work_task = asyncio.ensure_future(work)
     disconnect_task = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
@@ -79,7 +85,7 @@ async def _race_disconnect(request: Request, run: Run, work):
         if work_task in done:
             return work_task.result()
         work_task.cancel()
-        raise asyncio.CancelledError("client disconnected")
+        raise ClientDisconnected
     finally:
         disconnect_task.cancel()
         if not work_task.done():

@@ -100,11 +100,12 @@ def test_disconnect_while_queued_never_starts_the_request(gateways, slow_worker,
     model = _served(gateways, slow_worker)
     with httpx.stream("POST", f"{gateways[0].url}/v1/chat/completions",
                       json=_chat(model, stream=True, cancel_id="first")) as busy:
-        next(_events(busy.iter_lines()))  # the only slot is taken
+        busy_events = _events(busy.iter_lines())  # kept referenced: dropping it closes the stream
+        next(busy_events)  # the only slot is taken
         with pytest.raises(httpx.ReadTimeout):  # the second request waits in the queue; we hang up
             httpx.post(f"{gateways[0].url}/v1/chat/completions", json=_chat(model), timeout=0.5)
         assert httpx.post(f"{gateways[1].url}/v1/cancel", json={"cancel_id": "first"}).json() == {"cancelled": 1}
-        list(busy.iter_lines())
+        list(busy_events)
     wait_for(lambda: _cancels(slow_worker, phase="queued") == 1, 5, "the queued request to be dropped")
     assert metric_value(slow_worker.url, "llmfleet_worker_generated_tokens_total") < 200
     wait_for(lambda: _in_flight(slow_worker) == 0 and not leftover_keys(redis_client), 5, "a clean queue")
@@ -170,7 +171,8 @@ def test_queue_timeout_is_a_clear_503(gateways, slow_worker):
     model = _served(gateways, slow_worker)
     with httpx.stream("POST", f"{gateways[0].url}/v1/chat/completions",
                       json=_chat(model, stream=True, cancel_id="hog")) as busy:
-        next(_events(busy.iter_lines()))
+        busy_events = _events(busy.iter_lines())
+        next(busy_events)
         waited = httpx.post(f"{gateways[0].url}/v1/chat/completions", json=_chat(model), timeout=30)
         httpx.post(f"{gateways[0].url}/v1/cancel", json={"cancel_id": "hog"})
     assert waited.status_code == 503

@@ -131,7 +131,7 @@ class RequestConsumer:
         if terminal is None:
             terminal = await self._generate(request)
         if self._cancel_requested.pop(request.request_id, None) == "deadline":
-            terminal.stop_reason = "deadline"  # the finish says why: the request ran out of time
+            _mark_deadline(terminal)
         metrics.REQUESTS.labels(self.model, terminal.finish_reason or "unknown").inc()
         if terminal.usage is not None:
             metrics.GENERATED_TOKENS.labels(self.model).inc(terminal.usage.completion_tokens)
@@ -279,6 +279,14 @@ def _cancelled_terminal(request: RequestEnvelope) -> GenerationChunk:
     candidates = None if request.stream else [Candidate(i, finish_reason="cancelled")
                                               for i in range(request.params.n)]
     return GenerationChunk(done=True, finish_reason="cancelled", usage=Usage(), candidates=candidates)
+
+
+def _mark_deadline(terminal: GenerationChunk) -> None:
+    """Say why a request was cut short: it ran out of time."""
+    terminal.stop_reason = "deadline"
+    for candidate in terminal.candidates or ():
+        if candidate.finish_reason == "cancelled":
+            candidate.stop_reason = "deadline"
 
 
 def _error_terminal(error: FleetError) -> GenerationChunk:
