@@ -7,6 +7,7 @@ logit_bias, and token counts are checked against the model's own tokenizer.
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import openai
@@ -14,7 +15,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from tests.conftest import leftover_keys
-from tests.procs import wait_for
+from tests.procs import metric_value, wait_for
 
 pytestmark = pytest.mark.vllm
 
@@ -128,3 +129,47 @@ def test_default_max_tokens_is_the_room_left_in_the_context(client, vllm_stack):
     # Legacy completions default to 16 tokens, as on vllm serve.
     completion = client.completions.create(model=vllm_stack.model, prompt="harbour", temperature=0)
     assert completion.usage.completion_tokens == 16
+
+
+def _worker_metric(vllm_stack, name, **labels):
+    return metric_value(vllm_stack.worker.url, name, **labels)
+
+
+@pytest.mark.parametrize("stream, n", [(True, 1), (False, 2)])
+def test_disconnect_aborts_the_engine_request(vllm_stack, stream, n):
+    tokens_before = _worker_metric(vllm_stack, "llmfleet_worker_generated_tokens_total")
+    cancels_before = _worker_metric(vllm_stack, "llmfleet_worker_cancels_total", cause="disconnect")
+    body = {"model": vllm_stack.model, "messages": MESSAGES, "max_tokens": 1900, "n": n, "temperature": 1.0,
+            "stream": stream}
+    if stream:
+        with httpx.stream("POST", f"{vllm_stack.gateway.url}/v1/chat/completions", json=body) as response:
+            lines = response.iter_lines()
+            for _ in range(4):
+                next(lines)
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{vllm_stack.gateway.url}/v1/chat/completions", json=body, timeout=1.0)
+    wait_for(lambda: _worker_metric(vllm_stack, "llmfleet_worker_in_flight") == 0, 10, "the engine to stop")
+    assert _worker_metric(vllm_stack, "llmfleet_worker_cancels_total", cause="disconnect") == cancels_before + 1
+    generated = _worker_metric(vllm_stack, "llmfleet_worker_generated_tokens_total") - tokens_before
+    assert generated < 1900 * n  # aborted long before the end
+
+
+def test_explicit_cancel_returns_what_was_generated(vllm_stack):
+    body = {"model": vllm_stack.model, "messages": MESSAGES, "max_tokens": 1900, "temperature": 0,
+            "stream": True, "cancel_id": "vllm-run", "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{vllm_stack.gateway.url}/v1/chat/completions", json=body) as response:
+        lines = response.iter_lines()
+        text = ""
+        for line in lines:
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    text += choice["delta"].get("content") or ""
+            if len(text) > 20:
+                break
+        assert httpx.post(f"{vllm_stack.gateway.url}/v1/cancel", json={"cancel_id": "vllm-run"}).json() == {
+            "cancelled": 1}
+        events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]] == ["cancelled"]
+    assert 0 < events[-1]["usage"]["completion_tokens"] < 1900
+    wait_for(lambda: _worker_metric(vllm_stack, "llmfleet_worker_in_flight") == 0, 10, "the engine to stop")

@@ -135,7 +135,8 @@ class RequestConsumer:
         metrics.REQUESTS.labels(self.model, terminal.finish_reason or "unknown").inc()
         if terminal.usage is not None:
             metrics.GENERATED_TOKENS.labels(self.model).inc(terminal.usage.completion_tokens)
-        flushed = self.publisher.finish(request.reply_to, request.request_id, terminal, (self.stream, entry_id))
+        flushed = self.publisher.finish(request.reply_to, request.request_id, terminal,
+                                         (self.stream, entry_id, request.request_id))
         await asyncio.shield(flushed)
 
     async def _refuse_unstarted(self, request: RequestEnvelope) -> GenerationChunk | None:

@@ -33,7 +33,7 @@ class _Outbox:
     reply_to: str
     request_id: str
     chunks: list[GenerationChunk] = field(default_factory=list)
-    ack: tuple[str, str] | None = None  # (request stream, entry id) once terminal
+    ack: tuple[str, str, str] | None = None  # (request stream, entry id, request id) once terminal
     flushed: asyncio.Future | None = None
 
 
@@ -75,7 +75,7 @@ class ReplyPublisher:
         self._wake.set()
 
     def finish(self, reply_to: str, request_id: str, terminal: GenerationChunk,
-               ack: tuple[str, str] | None) -> asyncio.Future:
+               ack: tuple[str, str, str] | None) -> asyncio.Future:
         """Queue the terminal chunk; the future resolves once it (and the ack) is in Redis."""
         self.publish(reply_to, request_id, terminal)
         outbox = self._outboxes[request_id]
@@ -109,7 +109,7 @@ class ReplyPublisher:
             if outbox.flushed is not None and not outbox.flushed.done():
                 outbox.flushed.set_result(None)
 
-    async def _write(self, writes: list[tuple[str, bytes, tuple[str, str] | None]]) -> None:
+    async def _write(self, writes: list[tuple[str, bytes, tuple[str, str, str] | None]]) -> None:
         delay = 0.05
         while True:
             pipe = self.redis.pipeline(transaction=False)
@@ -119,6 +119,7 @@ class ReplyPublisher:
                 if ack is not None:
                     pipe.xack(ack[0], keys.WORKER_GROUP, ack[1])
                     pipe.xdel(ack[0], ack[1])
+                    pipe.delete(keys.cancelled_key(ack[2]))  # a cancel that came while it ran
             try:
                 await pipe.execute()
                 return

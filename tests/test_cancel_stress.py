@@ -1,0 +1,119 @@
+"""2,000 runs with cancels at random points: none lost, none misdirected, nothing left behind.
+
+Modes, drawn at random per run (each run has its own cancel_id):
+- none:  never cancelled; must run to its length.
+- early: cancelled before the request is sent; must end cancelled with no tokens.
+- race:  cancel and request sent at the same moment, in either order, around the
+         gateway's registration; must end cancelled.
+- mid:   cancelled through the other gateway after the first streamed token.
+- stale: cancelled after it finished; the cancel must report 0 and touch nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import uuid
+
+import httpx
+import pytest
+
+from tests.conftest import leftover_keys
+from tests.procs import start_gateway, start_worker, wait_for, wait_until_served
+
+pytestmark = pytest.mark.integration
+
+RUNS = 2000
+MAX_TOKENS = 20
+LONG_RUN_TOKENS = 1000
+
+
+@pytest.fixture(scope="module")
+def stress_fleet(redis_url):
+    model = f"stress-{uuid.uuid4().hex[:6]}"
+    workers = [start_worker(redis_url, model, "--scripted-tokens-per-second", "200", "--max-concurrency", "32")
+               for _ in range(2)]
+    gateways = [start_gateway(redis_url) for _ in range(2)]
+    for gateway in gateways:
+        wait_until_served(gateway, model)
+    yield model, gateways
+    for proc in gateways + workers:
+        proc.stop()
+
+
+async def _run(client: httpx.AsyncClient, urls: list[str], model: str, mode: str) -> tuple[str, str, int]:
+    cancel_id = uuid.uuid4().hex
+    home, other = random.sample(urls, 2)
+    # A cancel racing a run needs a run long enough to still be going when a loaded client sends it.
+    max_tokens = LONG_RUN_TOKENS if mode in ("mid", "race") else MAX_TOKENS
+    body = {"model": model, "messages": [{"role": "user", "content": "a b c"}], "max_tokens": max_tokens,
+            "cancel_id": cancel_id}
+
+    async def cancel(delay: float = 0.0) -> int:
+        await asyncio.sleep(delay)
+        return (await client.post(f"{other}/v1/cancel", json={"cancel_id": cancel_id})).json()["cancelled"]
+
+    async def complete() -> tuple[str, int]:
+        data = (await client.post(f"{home}/v1/chat/completions", json=body)).json()
+        return data["choices"][0]["finish_reason"], data["usage"]["completion_tokens"]
+
+    if mode == "early":
+        await cancel()
+        finish, tokens = await complete()
+    elif mode == "race":
+        delays = (random.uniform(0, 0.004), random.uniform(0, 0.004))
+        (finish, tokens), _ = await asyncio.gather(complete(), cancel(delays[0] - delays[1]))
+    elif mode == "mid":
+        finish, tokens = await _cancel_mid_stream(client, home, body, cancel)
+    else:
+        finish, tokens = await complete()
+        if mode == "stale" and await cancel() != 0:
+            return mode, "stale cancel reported a run", tokens
+    return mode, finish, tokens
+
+
+async def _cancel_mid_stream(client, url, body, cancel) -> tuple[str, int]:
+    finish, tokens = None, 0
+    async with client.stream("POST", f"{url}/v1/chat/completions",
+                             json={**body, "stream": True, "stream_options": {"include_usage": True}}) as response:
+        cancelled = False
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            for choice in event["choices"]:
+                finish = choice["finish_reason"] or finish
+                if choice["delta"].get("content") and not cancelled:
+                    cancelled = True
+                    await cancel()
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+    return finish, tokens
+
+
+async def test_2000_runs_with_random_cancels(stress_fleet, redis_client):
+    model, gateways = stress_fleet
+    urls = [g.url for g in gateways]
+    rng = random.Random(20261121)
+    modes = [rng.choice(["none", "early", "race", "mid", "stale"]) for _ in range(RUNS)]
+    limits = httpx.Limits(max_connections=64)
+    async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+        slots = asyncio.Semaphore(48)
+
+        async def bounded(mode):
+            async with slots:
+                return await _run(client, urls, model, mode)
+
+        results = await asyncio.gather(*(bounded(m) for m in modes))
+
+    wrong = [(mode, finish, tokens) for mode, finish, tokens in results
+             if (mode in ("none", "stale") and (finish, tokens) != ("length", MAX_TOKENS))
+             or (mode == "early" and (finish, tokens) != ("cancelled", 0))
+             or (mode == "race" and (finish != "cancelled" or tokens >= LONG_RUN_TOKENS))
+             or (mode == "mid" and (finish != "cancelled" or tokens >= LONG_RUN_TOKENS))]
+    assert not wrong, f"{len(wrong)} runs ended wrongly, e.g. {wrong[:5]}"
+    assert {mode for mode, *_ in results} == {"none", "early", "race", "mid", "stale"}
+    wait_for(lambda: not leftover_keys(redis_client), 10, "every request entry to be acknowledged")
+    assert not list(redis_client.scan_iter(match="llmfleet:run:*")), "runs left registered"
+    assert not list(redis_client.scan_iter(match="llmfleet:cancel-early:*")), "early cancels never consumed"
