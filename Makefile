@@ -20,7 +20,7 @@ else
 	# Their PyPI builds do not match the CPU torch and break `import vllm`.
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
 endif
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q -e ".[test,bench]"
 	rm -f $(VENV)/.installed-*
 	touch $@
 
@@ -34,7 +34,7 @@ test-fast: install
 	$(BIN)/python -m pytest -q -m "not vllm"
 
 bench: install
-	$(BIN)/python -m bench
+	$(BIN)/python -m bench.cancel_latency
 
 clean:
 	rm -rf $(VENV) .pytest_cache

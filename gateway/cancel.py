@@ -17,6 +17,8 @@ stash that could hit a later run.
 
 from __future__ import annotations
 
+import time
+
 import redis.asyncio as aioredis
 
 from shared import keys
@@ -63,12 +65,12 @@ class CancelRegistry:
             pipe.set(keys.cancel_id_key(cancel_id), DONE, ex=ttl)
         await pipe.execute()
 
-    async def cancel_requests(self, request_ids: list[str], reason: str) -> None:
+    async def cancel_requests(self, request_ids: list[str], reason: str, sent_at: float = 0.0) -> None:
         """Stop these requests wherever they are: queued (stash) or running (notice)."""
         pipe = self.redis.pipeline(transaction=False)
         for request_id in request_ids:
             pipe.set(keys.cancelled_key(request_id), reason, ex=keys.CANCEL_MEMORY_TTL_S)
-        pipe.publish(keys.CANCEL_CHANNEL, encode(CancelNotice(request_ids, reason)))
+        pipe.publish(keys.CANCEL_CHANNEL, encode(CancelNotice(request_ids, reason, sent_at=sent_at or time.time())))
         await pipe.execute()
 
     async def cancel(self, *, cancel_id: str | None = None, request_id: str | None = None) -> int:

@@ -54,6 +54,7 @@ class Run:
         self._replies = replies
         self.finished = False
         self.closed = False
+        self.closed_at = 0.0
         self.worker_id = ""
 
     async def __aenter__(self) -> Run:
@@ -96,6 +97,7 @@ class Run:
         self.fleet.router.close(self.request_id)
         cancel = None if self.finished else reason
         self.finished = True
+        self.closed_at = time.time()
         self.fleet.after_run(self, cancel)
 
 
@@ -164,7 +166,7 @@ class Fleet:
     async def _after_run(self, run: Run, cancel_reason: str | None) -> None:
         try:
             if cancel_reason is not None:
-                await self.cancels.cancel_requests([run.request_id], cancel_reason)
+                await self.cancels.cancel_requests([run.request_id], cancel_reason, run.closed_at)
                 metrics.CANCELS.labels(cancel_reason).inc()
             await self.cancels.finish(run.request_id, run.envelope.cancel_id, self._ttl(run.envelope))
         except (RedisError, OSError) as exc:

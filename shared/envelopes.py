@@ -277,9 +277,10 @@ class CancelNotice:
     request_ids: list[str]
     reason: str = "disconnect"  # disconnect | explicit | deadline
     v: int = WIRE_VERSION
+    sent_at: float = 0.0  # wall-clock seconds when the gateway decided to cancel
 
     def to_wire(self) -> dict[str, Any]:
-        return {"v": self.v, "request_ids": self.request_ids, "reason": self.reason}
+        return {"v": self.v, "request_ids": self.request_ids, "reason": self.reason, "sent_at": self.sent_at}
 
     @classmethod
     def from_wire(cls, data: Any) -> CancelNotice:

@@ -219,3 +219,16 @@ def test_gateway_drain_refuses_new_requests_and_finishes_open_ones(redis_url, sl
     assert rest[-1] == "[DONE]"
     assert [c["finish_reason"] for e in rest[:-1] for c in e["choices"] if c["finish_reason"]] == ["length"]
     assert gateway.popen.wait(15) == 0
+
+
+def test_disconnect_during_prefill(redis_url, gateways):
+    model = f"prefill-{uuid.uuid4().hex[:6]}"
+    worker = start_worker(redis_url, model, "--scripted-first-token-delay", "30")
+    try:
+        _served(gateways, worker)
+        with pytest.raises(httpx.ReadTimeout):  # no first token (so no headers) before we hang up
+            httpx.post(f"{gateways[0].url}/v1/chat/completions", json=_chat(model, stream=True), timeout=1.0)
+        wait_for(lambda: _in_flight(worker) == 0, 5, "the worker to abort the request")
+        assert _cancels(worker, cause="disconnect", phase="prefill") == 1
+    finally:
+        worker.stop()

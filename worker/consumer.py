@@ -203,11 +203,20 @@ class RequestConsumer:
                     state.reaborted = True
                     await self.adapter.abort(request_id)
                 if chunk.done and state.tokens_at_cancel is not None:
-                    metrics.TOKENS_AFTER_CANCEL.labels(self.model).inc(state.tokens - state.tokens_at_cancel)
+                    self._record_abort(request, state)
                 yield chunk
         finally:
             self._progress.pop(request_id, None)
             await chunks.aclose()
+
+    def _record_abort(self, request: RequestEnvelope, state: _Progress) -> None:
+        stopped = time.time()
+        latency = stopped - state.cancel_sent_at
+        metrics.TOKENS_AFTER_CANCEL.labels(self.model).inc(state.tokens - state.tokens_at_cancel)
+        metrics.CANCEL_LATENCY.labels(self.model).observe(latency)
+        log.info("aborted request %s: engine stopped at %.6f, %.1f ms after the cancel was sent, "
+                 "%d tokens after it", request.request_id, stopped, latency * 1000,
+                 state.tokens - state.tokens_at_cancel)
 
     async def _listen_for_cancels(self) -> None:
         pubsub = self.redis.pubsub()
@@ -223,11 +232,11 @@ class RequestConsumer:
                     continue
                 for request_id in notice.request_ids:
                     if request_id in self._running:
-                        asyncio.ensure_future(self.cancel(request_id, notice.reason))
+                        asyncio.ensure_future(self.cancel(request_id, notice.reason, notice.sent_at))
         finally:
             await pubsub.aclose()
 
-    async def cancel(self, request_id: str, cause: str) -> None:
+    async def cancel(self, request_id: str, cause: str, sent_at: float = 0.0) -> None:
         """Abort a running request; force it if the adapter does not end it in time."""
         task = self._running.get(request_id)
         if task is None or request_id in self._cancel_requested:
@@ -236,6 +245,7 @@ class RequestConsumer:
         state = self._progress.get(request_id)
         if state is not None:
             state.tokens_at_cancel = state.tokens
+            state.cancel_sent_at = sent_at or time.time()
             metrics.CANCELS.labels(self.model, cause, state.phase).inc()
         await self.adapter.abort(request_id)
         done, _ = await asyncio.wait({task}, timeout=ABORT_GRACE_S)
@@ -273,6 +283,7 @@ class _Progress:
     phase: str = "prefill"
     tokens: int = 0
     tokens_at_cancel: int | None = None
+    cancel_sent_at: float = 0.0
     reaborted: bool = False
 
 
