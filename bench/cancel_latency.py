@@ -44,15 +44,17 @@ def _one_trial(url: str, model: str) -> tuple[str, float]:
             "stream": True, "temperature": 1.0}
     with httpx.Client(timeout=60) as client, client.stream("POST", f"{url}/v1/chat/completions",
                                                              json=body) as response:
-        request_id, contents = None, 0
-        for line in response.iter_lines():
+        request_id, contents, lines = None, 0, response.iter_lines()
+        for line in lines:
             if line.startswith("data: {"):
                 event = json.loads(line[6:])
                 request_id = event["id"].removeprefix("chatcmpl-")
                 contents += 1
             if contents >= 5:
                 break
+        # Stamp before closing: dropping the line iterator is what closes the connection.
         closed_at = time.time()
+        lines.close()
         response.close()
     return request_id, closed_at
 

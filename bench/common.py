@@ -23,9 +23,11 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def progress(label: str, done: int, total: int) -> None:
-    sys.stderr.write(f"\r{label}: {done}/{total}")
-    if done == total:
-        sys.stderr.write("\n")
+    """One updating line on a terminal; a line every 10% in a log."""
+    if sys.stderr.isatty():
+        sys.stderr.write(f"\r{label}: {done}/{total}" + ("\n" if done == total else ""))
+    elif done == total or done % max(1, total // 10) == 0:
+        sys.stderr.write(f"{label}: {done}/{total}\n")
     sys.stderr.flush()
 
 
