@@ -19,7 +19,6 @@ import statistics
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 

@@ -73,7 +73,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
     @app.get("/version")
     async def version() -> Response:
-        from importlib.metadata import PackageNotFoundError, version as pkg_version
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as pkg_version
         try:
             return json_response({"version": pkg_version("llmfleet")})
         except PackageNotFoundError:

@@ -9,8 +9,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from gateway.openai_chat import usage_body
 from gateway.fleet import GatewaySettings
+from gateway.openai_chat import usage_body
 from gateway.protocol import CompletionRequest, check_sampling
 from gateway.serving import serve_generation
 from shared.envelopes import GenerationChunk, RequestEnvelope, TokenLogprob, Usage

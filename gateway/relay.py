@@ -63,7 +63,7 @@ class ReplyRouter:
                 await asyncio.sleep(0.5)
                 continue
             for _stream, entries in replies or ():
-                for entry_id, fields in entries:
+                for _entry_id, fields in entries:
                     self._deliver(fields)
                 self._last_id = entries[-1][0]
 

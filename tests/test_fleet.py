@@ -45,7 +45,7 @@ async def test_100_concurrent_streams_through_two_gateways(scripted_fleet, redis
         assert finish == "length"
         assert completion_tokens == 12
     served = [metric_value(w.url, "llmfleet_worker_requests_total") - before
-              for w, before in zip(workers, served_before)]
+              for w, before in zip(workers, served_before, strict=True)]
     assert sum(served) == 100
     assert all(count > 0 for count in served), f"one worker served nothing: {served}"
     wait_for(lambda: not leftover_keys(redis_client), 5, "request entries to be acknowledged")

@@ -23,7 +23,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from shared import keys
 from shared.codec import decode, encode
-from shared.envelopes import Candidate, CancelNotice, GenerationChunk, RequestEnvelope, Usage, WorkerInfo
+from shared.envelopes import CancelNotice, Candidate, GenerationChunk, RequestEnvelope, Usage, WorkerInfo
 from shared.errors import EngineError, EnvelopeError, FleetError, ServiceUnavailable
 from worker import metrics
 from worker.adapter import GenerationAdapter

@@ -16,5 +16,6 @@ TOKENS_AFTER_CANCEL = Counter("llmfleet_worker_tokens_after_cancel_total",
                               "Tokens the engine produced after a cancel reached the worker", ["model"])
 QUEUE_TIMEOUTS = Counter("llmfleet_worker_queue_timeouts_total", "Requests dropped unstarted after their queue "
                          "timeout", ["model"])
-CANCEL_LATENCY = Histogram("llmfleet_worker_cancel_seconds", "From the gateway's cancel to the engine's last output",
-                           ["model"], buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2))
+CANCEL_LATENCY = Histogram("llmfleet_worker_cancel_seconds",
+                           "From the gateway's cancel to the engine's last output", ["model"],
+                           buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2))

@@ -10,6 +10,7 @@ to start or slow to stream, so tests can cancel or kill it at a chosen point.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 from shared.envelopes import GenerationChunk, RequestEnvelope, Usage
@@ -82,10 +83,8 @@ class ScriptedAdapter(GenerationAdapter):
 
     async def _pause(self, seconds: float, aborted: asyncio.Event) -> None:
         if seconds > 0:
-            try:
+            with contextlib.suppress(TimeoutError):  # the pause ran its course: no abort
                 await asyncio.wait_for(aborted.wait(), seconds)
-            except TimeoutError:
-                pass
         else:
             await asyncio.sleep(0)  # let cancels and other requests in between tokens
 

@@ -183,10 +183,7 @@ class StepDecoder:
         return chunks
 
     def terminal(self, prompt_tokens: int) -> GenerationChunk:
-        if self.aborted:
-            reason = "cancelled"
-        else:
-            reason = self.finish[0] or "stop"
+        reason = "cancelled" if self.aborted else self.finish[0] or "stop"
         return GenerationChunk(done=True, finish_reason=reason,
                                usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=sum(self.generated)))
 
