@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -11,7 +9,7 @@ from starlette.responses import Response
 
 from gateway.fleet import GatewaySettings
 from gateway.protocol import ChatCompletionRequest, check_sampling
-from gateway.serving import serve_generation
+from gateway.serving import Formatter, new_envelope, serve_generation
 from shared.envelopes import Candidate, GenerationChunk, RequestEnvelope, ToolCallDelta, Usage
 
 router = APIRouter()
@@ -38,28 +36,16 @@ def _tool_call_delta(delta: ToolCallDelta) -> dict[str, Any]:
     return {"index": delta.index, "function": {"arguments": delta.arguments}}
 
 
-class ChatFormatter:
+class ChatFormatter(Formatter):
     endpoint = "chat"
+    id_prefix = "chatcmpl"
+    chunk_object = "chat.completion.chunk"
 
     def __init__(self, request: ChatCompletionRequest, envelope: RequestEnvelope):
-        self.response_id = f"chatcmpl-{envelope.request_id}"
-        self.created = int(envelope.arrival)
-        self.model = envelope.model
-        self.n = request.n
-        options = request.stream_options
-        self.include_usage = bool(options and options.include_usage)
-        self.continuous_usage = bool(options and options.include_usage and options.continuous_usage_stats)
+        super().__init__(request, envelope)
         self._started = [False] * request.n
         self._finished = [False] * request.n
         self._tokens = [0] * request.n
-        self._prompt_tokens = 0
-
-    def _chunk(self, choices: list[dict[str, Any]], usage: dict | None = None) -> dict[str, Any]:
-        body = {"id": self.response_id, "object": "chat.completion.chunk", "created": self.created,
-                "model": self.model, "choices": choices}
-        if usage is not None:
-            body["usage"] = usage
-        return body
 
     def _usage_so_far(self) -> dict[str, Any] | None:
         if not self.continuous_usage:
@@ -145,26 +131,12 @@ def chat_envelope(body: ChatCompletionRequest, model: str, max_model_len: int,
                   settings: GatewaySettings) -> RequestEnvelope:
     params = body.sampling_options(body.requested_max_tokens, body.logprobs_count, echo=False)
     check_sampling(params, max_model_len)
-    now = time.time()
-    timeout = min(body.timeout or settings.request_timeout_s, settings.request_timeout_s)
-    return RequestEnvelope(
-        request_id=uuid.uuid4().hex,
-        model=model,
-        kind="chat",
-        reply_to="",
-        arrival=now,
-        deadline=now + timeout,
-        queue_deadline=now + min(settings.queue_timeout_s, timeout),
-        stream=body.stream,
+    return new_envelope(
+        body, "chat", params, model, settings,
         messages=[m.model_dump(exclude_none=True) for m in body.messages],
-        params=params,
         tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
-        tool_choice=body.tool_choice,
-        parallel_tool_calls=body.parallel_tool_calls,
-        response_format=body.response_format.model_dump(exclude_none=True) if body.response_format else None,
-        structured_outputs=body.structured_outputs,
+        tool_choice=body.tool_choice, parallel_tool_calls=body.parallel_tool_calls,
         chat_template_kwargs=body.chat_template_kwargs,
-        cancel_id=body.cancel_id,
     )
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -12,7 +10,7 @@ from starlette.responses import Response
 from gateway.fleet import GatewaySettings
 from gateway.openai_chat import usage_body
 from gateway.protocol import CompletionRequest, check_sampling
-from gateway.serving import serve_generation
+from gateway.serving import Formatter, new_envelope, serve_generation
 from shared.envelopes import GenerationChunk, RequestEnvelope, TokenLogprob, Usage
 
 router = APIRouter()
@@ -37,28 +35,16 @@ class CompletionLogprobs:
         return body
 
 
-class CompletionFormatter:
+class CompletionFormatter(Formatter):
     endpoint = "completions"
+    id_prefix = "cmpl"
+    chunk_object = "text_completion"
 
     def __init__(self, request: CompletionRequest, envelope: RequestEnvelope):
-        self.response_id = f"cmpl-{envelope.request_id}"
-        self.created = int(envelope.arrival)
-        self.model = envelope.model
-        self.n = request.n
-        options = request.stream_options
-        self.include_usage = bool(options and options.include_usage)
-        self.continuous_usage = bool(options and options.include_usage and options.continuous_usage_stats)
+        super().__init__(request, envelope)
         self._finished = [False] * request.n
         self._logprobs = [CompletionLogprobs() for _ in range(request.n)]
         self._tokens = 0
-        self._prompt_tokens = 0
-
-    def _chunk(self, choices: list[dict[str, Any]], usage: dict | None = None) -> dict[str, Any]:
-        body = {"id": self.response_id, "object": "text_completion", "created": self.created,
-                "model": self.model, "choices": choices}
-        if usage is not None:
-            body["usage"] = usage
-        return body
 
     def stream_events(self, chunk: GenerationChunk) -> list[dict[str, Any]]:
         events = []
@@ -98,23 +84,7 @@ def completion_envelope(body: CompletionRequest, model: str, max_model_len: int,
                         settings: GatewaySettings) -> RequestEnvelope:
     params = body.sampling_options(body.max_tokens, body.logprobs, echo=body.echo)
     check_sampling(params, max_model_len)
-    now = time.time()
-    timeout = min(body.timeout or settings.request_timeout_s, settings.request_timeout_s)
-    return RequestEnvelope(
-        request_id=uuid.uuid4().hex,
-        model=model,
-        kind="completion",
-        reply_to="",
-        arrival=now,
-        deadline=now + timeout,
-        queue_deadline=now + min(settings.queue_timeout_s, timeout),
-        stream=body.stream,
-        prompt=body.prompt,
-        params=params,
-        response_format=body.response_format.model_dump(exclude_none=True) if body.response_format else None,
-        structured_outputs=body.structured_outputs,
-        cancel_id=body.cancel_id,
-    )
+    return new_envelope(body, "completion", params, model, settings, prompt=body.prompt)
 
 
 @router.post("/v1/completions")

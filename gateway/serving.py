@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from typing import Any
 
 import orjson
 from starlette.requests import Request
@@ -26,8 +27,9 @@ from starlette.responses import Response, StreamingResponse
 
 from gateway import metrics
 from gateway.errors import fleet_error_body, fleet_error_response, json_response
-from gateway.fleet import Fleet, Run
-from shared.envelopes import GenerationChunk, RequestEnvelope
+from gateway.fleet import Fleet, GatewaySettings, Run
+from gateway.protocol import GenerationRequest
+from shared.envelopes import GenerationChunk, RequestEnvelope, SamplingOptions
 from shared.errors import FleetError, error_from_info
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -37,14 +39,51 @@ def sse(event: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(event) + b"\n\n"
 
 
-class Formatter(Protocol):
+class Formatter:
+    """Turns one request's chunks into an API family's JSON: SSE events, or the whole response."""
+
     endpoint: str
+    id_prefix: str
+    chunk_object: str
+
+    def __init__(self, request: GenerationRequest, envelope: RequestEnvelope):
+        self.response_id = f"{self.id_prefix}-{envelope.request_id}"
+        self.created = int(envelope.arrival)
+        self.model = envelope.model
+        self.n = request.n
+        options = request.stream_options
+        self.include_usage = bool(options and options.include_usage)
+        self.continuous_usage = self.include_usage and bool(options.continuous_usage_stats)
+        self._prompt_tokens = 0
+
+    def _chunk(self, choices: list[dict[str, Any]], usage: dict | None = None) -> dict[str, Any]:
+        body = {"id": self.response_id, "object": self.chunk_object, "created": self.created,
+                "model": self.model, "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return body
 
     def stream_events(self, chunk: GenerationChunk) -> list[dict[str, Any]]:
         """The SSE events for one delta or terminal chunk."""
+        raise NotImplementedError
 
     def response(self, terminal: GenerationChunk) -> dict[str, Any]:
         """The whole non-streaming response, from the terminal chunk's candidates."""
+        raise NotImplementedError
+
+
+def new_envelope(body: GenerationRequest, kind: str, params: SamplingOptions, model: str,
+                 settings: GatewaySettings, **request_fields) -> RequestEnvelope:
+    """The envelope of a validated request, with its deadlines from the gateway's limits."""
+    now = time.time()
+    timeout = min(body.timeout or settings.request_timeout_s, settings.request_timeout_s)
+    return RequestEnvelope(
+        request_id=uuid.uuid4().hex, model=model, kind=kind, reply_to="", arrival=now,
+        deadline=now + timeout, queue_deadline=now + min(settings.queue_timeout_s, timeout),
+        stream=body.stream, params=params, cancel_id=body.cancel_id,
+        response_format=body.response_format.model_dump(exclude_none=True) if body.response_format else None,
+        structured_outputs=body.structured_outputs, **request_fields,
+    )
 
 
 async def serve_generation(request: Request, fleet: Fleet, envelope: RequestEnvelope,
