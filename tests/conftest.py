@@ -57,6 +57,9 @@ def leftover_keys(client: redis.Redis) -> list[str]:
     return leftovers
 
 
+VLLM_SLOTS = 4  # small, so that tests can fill the worker and queue a request behind it
+
+
 class VLLMStack:
     def __init__(self, gateway: Proc, worker: Proc, model: str, model_dir: str):
         self.gateway, self.worker, self.model, self.model_dir = gateway, worker, model, model_dir
@@ -73,7 +76,7 @@ def tiny_model_dir(tmp_path_factory) -> str:
 def vllm_stack(redis_url: str, tiny_model_dir: str):
     """One gateway and one vLLM worker on the tiny model (starting it takes ~30 s)."""
     worker = start_worker(redis_url, tiny_model_dir, "--max-model-len", "2048", "--enforce-eager", "--dtype", "float32",
-                          engine="vllm", served_name="tiny", env={"VLLM_CPU_KVCACHE_SPACE": "1"}, timeout=240)
+                          "--max-concurrency", str(VLLM_SLOTS), engine="vllm", served_name="tiny", env={"VLLM_CPU_KVCACHE_SPACE": "1"}, timeout=240)
     gateway = start_gateway(redis_url)
     wait_until_served(gateway, "tiny")
     yield VLLMStack(gateway, worker, "tiny", tiny_model_dir)

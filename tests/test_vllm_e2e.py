@@ -7,6 +7,7 @@ logit_bias, and token counts are checked against the model's own tokenizer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import httpx
@@ -14,7 +15,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tests.conftest import leftover_keys
+from tests.conftest import VLLM_SLOTS, leftover_keys
 from tests.procs import metric_value, wait_for
 
 pytestmark = pytest.mark.vllm
@@ -149,7 +150,7 @@ def test_disconnect_aborts_the_engine_request(vllm_stack, stream, n):
     else:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{vllm_stack.gateway.url}/v1/chat/completions", json=body, timeout=1.0)
-    wait_for(lambda: _worker_metric(vllm_stack, "llmfleet_worker_in_flight") == 0, 10, "the engine to stop")
+    _wait_for_idle_engine(vllm_stack)
     assert _worker_metric(vllm_stack, "llmfleet_worker_cancels_total", cause="disconnect") == cancels_before + 1
     generated = _worker_metric(vllm_stack, "llmfleet_worker_generated_tokens_total") - tokens_before
     assert generated < 1900 * n  # aborted long before the end
@@ -172,4 +173,45 @@ def test_explicit_cancel_returns_what_was_generated(vllm_stack):
         events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
     assert [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]] == ["cancelled"]
     assert 0 < events[-1]["usage"]["completion_tokens"] < 1900
-    wait_for(lambda: _worker_metric(vllm_stack, "llmfleet_worker_in_flight") == 0, 10, "the engine to stop")
+    _wait_for_idle_engine(vllm_stack)
+
+
+def _wait_for_idle_engine(vllm_stack) -> None:
+    """The worker's in-flight count and vLLM's own running-request gauge both reach zero."""
+    wait_for(lambda: _worker_metric(vllm_stack, "llmfleet_worker_in_flight") == 0, 10, "the worker to go idle")
+    wait_for(lambda: _worker_metric(vllm_stack, "vllm:num_requests_running") == 0, 10, "the engine to go idle")
+
+
+def test_disconnect_while_queued_never_reaches_the_engine(vllm_stack):
+    queued_before = _worker_metric(vllm_stack, "llmfleet_worker_cancels_total", phase="queued")
+    long_run = {"model": vllm_stack.model, "messages": MESSAGES, "max_tokens": 1900, "temperature": 1.0,
+                "stream": True}
+    with contextlib.ExitStack() as streams:
+        for i in range(VLLM_SLOTS):  # fill every slot of the worker
+            response = streams.enter_context(httpx.stream(
+                "POST", f"{vllm_stack.gateway.url}/v1/chat/completions", json={**long_run, "cancel_id": f"fill-{i}"}))
+            lines = response.iter_lines()
+            next(lines)
+            streams.callback(lines.close)
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{vllm_stack.gateway.url}/v1/chat/completions", json={**long_run, "stream": False},
+                       timeout=0.5)
+        for i in range(VLLM_SLOTS):
+            httpx.post(f"{vllm_stack.gateway.url}/v1/cancel", json={"cancel_id": f"fill-{i}"})
+    wait_for(lambda: _worker_metric(vllm_stack, "llmfleet_worker_cancels_total", phase="queued") == queued_before + 1,
+             10, "the queued request to be dropped unstarted")
+    _wait_for_idle_engine(vllm_stack)
+
+
+def test_cancel_before_send_and_stale_cancel_on_vllm(client, vllm_stack):
+    assert httpx.post(f"{vllm_stack.gateway.url}/v1/cancel", json={"cancel_id": "early-v"}).json() == {"cancelled": 0}
+    early = client.chat.completions.create(model=vllm_stack.model, messages=MESSAGES, max_tokens=8,
+                                           extra_body={"cancel_id": "early-v"})
+    assert (early.choices[0].finish_reason, early.usage.completion_tokens) == ("cancelled", 0)
+    done = client.chat.completions.create(model=vllm_stack.model, messages=MESSAGES, max_tokens=8, temperature=0,
+                                          extra_body={"cancel_id": "stale-v"})
+    assert httpx.post(f"{vllm_stack.gateway.url}/v1/cancel", json={"cancel_id": "stale-v"}).json() == {"cancelled": 0}
+    later = client.chat.completions.create(model=vllm_stack.model, messages=MESSAGES, max_tokens=8, temperature=0,
+                                           extra_body={"cancel_id": "later-v"})
+    assert later.choices[0].finish_reason == "length"
+    assert later.choices[0].message.content == done.choices[0].message.content
