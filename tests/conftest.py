@@ -75,8 +75,9 @@ def tiny_model_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def vllm_stack(redis_url: str, tiny_model_dir: str):
     """One gateway and one vLLM worker on the tiny model (starting it takes ~30 s)."""
-    worker = start_worker(redis_url, tiny_model_dir, "--max-model-len", "2048", "--enforce-eager", "--dtype", "float32",
-                          "--max-concurrency", str(VLLM_SLOTS), engine="vllm", served_name="tiny", env={"VLLM_CPU_KVCACHE_SPACE": "1"}, timeout=240)
+    engine_options = ["--max-model-len", "2048", "--enforce-eager", "--dtype", "float32"]
+    worker = start_worker(redis_url, tiny_model_dir, *engine_options, "--max-concurrency", str(VLLM_SLOTS),
+                          engine="vllm", served_name="tiny", env={"VLLM_CPU_KVCACHE_SPACE": "1"}, timeout=240)
     gateway = start_gateway(redis_url)
     wait_until_served(gateway, "tiny")
     yield VLLMStack(gateway, worker, "tiny", tiny_model_dir)
