@@ -66,6 +66,7 @@ def gateway(host: str, port: int, redis_url: str, request_timeout: float, queue_
 @option("redis-url", default=DEFAULT_REDIS_URL)
 @option("max-concurrency", default=64, type=int, help="Requests run at once by this worker.")
 @option("metrics-port", default=0, type=int, help="Serve Prometheus metrics on this port (0: off).")
+@option("claim-idle", default=3.0, type=float, help="Seconds before a dead worker's request is taken over.")
 @option("max-model-len", default=None, type=int)
 @option("dtype", default="auto")
 @option("enforce-eager", is_flag=True)
@@ -82,7 +83,8 @@ def gateway(host: str, port: int, redis_url: str, request_timeout: float, queue_
 @option("reasoning-parser", default=None)
 @option("scripted-tokens-per-second", default=0.0, type=float, help="Scripted engine pace (0: no pause).")
 @option("scripted-first-token-delay", default=0.0, type=float, help="Scripted engine delay, seconds.")
-def worker(model, engine, served_model_name, redis_url, max_concurrency, metrics_port, scripted_tokens_per_second,
+def worker(model, engine, served_model_name, redis_url, max_concurrency, metrics_port, claim_idle,
+           scripted_tokens_per_second,
            scripted_first_token_delay, chat_template, tool_call_parser, enable_auto_tool_choice, reasoning_parser,
            **engine_options) -> None:
     """Run a worker that serves one model from the Redis queue."""
@@ -104,7 +106,7 @@ def worker(model, engine, served_model_name, redis_url, max_concurrency, metrics
         adapter = VLLMAdapter(engine_args, name, chat_template=_read(chat_template),
                               tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice,
                               reasoning_parser=reasoning_parser)
-    asyncio.run(serve(adapter, redis_url, max_concurrency, metrics_port))
+    asyncio.run(serve(adapter, redis_url, max_concurrency, metrics_port, claim_idle))
 
 
 def _read(path: str | None) -> str | None:

@@ -25,11 +25,12 @@ from gateway.relay import ReplyRouter
 from shared import keys
 from shared.codec import encode
 from shared.envelopes import Candidate, ChunkEnvelope, GenerationChunk, RequestEnvelope, Usage
-from shared.errors import ServiceUnavailable, error_from_info
+from shared.errors import ServiceUnavailable, WorkerLost, error_from_info
 
 log = logging.getLogger(__name__)
 
 DEADLINE_GRACE_S = 5.0
+SILENCE_CHECK_S = 1.0  # how often a silent request checks that its worker still lives
 
 
 @dataclass(slots=True)
@@ -68,18 +69,26 @@ class Run:
         # The worker ends a generation at its deadline; the grace lets that ending arrive first.
         deadline = self.envelope.deadline + DEADLINE_GRACE_S
         while not self.finished:
-            timeout = deadline - time.time()
+            timeout = min(deadline - time.time(), SILENCE_CHECK_S)
             try:
                 envelope = await asyncio.wait_for(self._replies.get(), timeout=max(timeout, 0.001))
             except TimeoutError:
-                self.close(reason="deadline")
-                raise ServiceUnavailable("The request timed out before the model answered.",
-                                         code="request_timeout") from None
+                self._check_alive(deadline)
+                continue
             self.worker_id = envelope.worker_id
             for chunk in envelope.chunks:
                 if chunk.done:
                     self.finished = True
                 yield chunk
+
+    def _check_alive(self, deadline: float) -> None:
+        """After a silence: raise if the deadline passed or the streaming worker is gone."""
+        if time.time() >= deadline:
+            self.close(reason="deadline")
+            raise ServiceUnavailable("The request timed out before the model answered.", code="request_timeout")
+        if self.worker_id and not self.fleet.registry.is_live(self.worker_id):
+            self.close(reason="worker_lost")
+            raise WorkerLost("The worker generating this response stopped; retry the request.")
 
     async def first_or_error(self) -> tuple[GenerationChunk, AsyncIterator[GenerationChunk]]:
         """Wait for the first chunk; raise the worker's error if the request failed at once."""

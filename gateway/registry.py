@@ -65,6 +65,9 @@ class WorkerRegistry:
                 log.warning("refreshing the worker registry failed: %s", exc)
             await asyncio.sleep(REFRESH_S)
 
+    def is_live(self, worker_id: str) -> bool:
+        return any(w.worker_id == worker_id for view in self.models.values() for w in view.workers)
+
     async def resolve(self, model: str | None) -> ModelView:
         """The live view of `model`, or the error a client should get for it."""
         if model is None and len(self.models) == 1:

@@ -14,6 +14,10 @@
 | llmfleet:cancel-id:{cancel_id}    | string  | TTL: the run's deadline; "done" afterwards  |
 | llmfleet:cancel-early:{cancel_id} | string  | TTL CANCEL_MEMORY_TTL_S; consumed when the  |
 |                                   |         | run with that cancel_id registers           |
+| llmfleet:lease:{request_id}       | string  | TTL LEASE_TTL_S, renewed by the worker      |
+|                                   |         | running the request                         |
+| llmfleet:streamed:{request_id}    | string  | TTL: the request's deadline; set with the   |
+|                                   |         | first published chunk                       |
 | llmfleet:cancel                   | pub/sub | no storage                                  |
 """
 
@@ -26,7 +30,8 @@ WORKER_GROUP = "workers"  # the consumer group of every request stream
 REQUEST_STREAM_MAXLEN = 100_000
 REPLY_STREAM_MAXLEN = 100_000
 REPLY_STREAM_TTL_S = 60  # refreshed every few seconds by the live gateway
-HEARTBEAT_TTL_S = 5
+HEARTBEAT_TTL_S = 3
+LEASE_TTL_S = 3  # a running request's lease; lapses this long after its worker dies
 HEARTBEAT_INTERVAL_S = 1.0
 MODEL_MEMORY_TTL_S = 3600
 
@@ -68,3 +73,11 @@ def cancel_id_key(cancel_id: str) -> str:
 
 def early_cancel_key(cancel_id: str) -> str:
     return f"{PREFIX}:cancel-early:{cancel_id}"
+
+
+def lease_key(request_id: str) -> str:
+    return f"{PREFIX}:lease:{request_id}"
+
+
+def streamed_key(request_id: str) -> str:
+    return f"{PREFIX}:streamed:{request_id}"

@@ -24,7 +24,7 @@ from redis.exceptions import RedisError, ResponseError
 from shared import keys
 from shared.codec import decode, encode
 from shared.envelopes import CancelNotice, Candidate, GenerationChunk, RequestEnvelope, Usage, WorkerInfo
-from shared.errors import EngineError, EnvelopeError, FleetError, ServiceUnavailable
+from shared.errors import EngineError, EnvelopeError, FleetError, ServiceUnavailable, WorkerLost
 from worker import metrics
 from worker.adapter import GenerationAdapter
 from worker.aggregate import collect_candidates
@@ -37,11 +37,12 @@ ABORT_GRACE_S = 2.0  # how long an aborted generation may take to yield its term
 
 class RequestConsumer:
     def __init__(self, redis: aioredis.Redis, adapter: GenerationAdapter, max_concurrency: int,
-                 worker_id: str | None = None):
+                 worker_id: str | None = None, claim_idle_s: float = 3.0):
         self.redis = redis
         self.adapter = adapter
         self.model = adapter.served_model_name
         self.max_concurrency = max_concurrency
+        self.claim_idle_s = claim_idle_s
         self.worker_id = worker_id or f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.stream = keys.request_stream(self.model)
         self.publisher = ReplyPublisher(redis, self.worker_id)
@@ -64,6 +65,7 @@ class RequestConsumer:
                 tasks.create_task(self.publisher.run()),
                 tasks.create_task(self._heartbeat()),
                 tasks.create_task(self._listen_for_cancels()),
+                tasks.create_task(self.reclaim_requests()),
             ]
             try:
                 await self.claim_requests()
@@ -102,7 +104,29 @@ class RequestConsumer:
                 for entry_id, fields in entries:
                     self._start(entry_id.decode(), fields.get(keys.ENVELOPE_FIELD, b""))
 
-    def _start(self, entry_id: str, data: bytes) -> None:
+    async def reclaim_requests(self) -> None:
+        """Take over requests whose worker died: pending entries idle past `claim_idle_s`.
+
+        Entries of live workers come back too (XAUTOCLAIM cannot tell), but their worker still
+        holds the request's lease, so they are left alone.
+        """
+        idle_ms = int(self.claim_idle_s * 1000)
+        while not self.draining:
+            await asyncio.sleep(self.claim_idle_s / 2)
+            free = self.max_concurrency - self.in_flight
+            if free <= 0:
+                continue
+            try:
+                _next, entries, *_ = await self.redis.xautoclaim(
+                    self.stream, keys.WORKER_GROUP, self.worker_id, idle_ms, "0-0", count=free)
+            except RedisError as exc:
+                log.warning("reclaiming requests failed: %s", exc)
+                continue
+            for entry_id, fields in entries:
+                if fields is not None:
+                    self._start(entry_id.decode(), fields.get(keys.ENVELOPE_FIELD, b""), reclaimed=True)
+
+    def _start(self, entry_id: str, data: bytes, reclaimed: bool = False) -> None:
         try:
             request = decode(RequestEnvelope, data)
         except EnvelopeError as exc:
@@ -110,7 +134,9 @@ class RequestConsumer:
             metrics.POISON_MESSAGES.labels(self.model).inc()
             asyncio.ensure_future(self._ack(entry_id))
             return
-        task = asyncio.create_task(self.run_request(entry_id, request), name=request.request_id)
+        if request.request_id in self._running:
+            return  # already ours: a reclaim of our own long-running entry
+        task = asyncio.create_task(self.run_request(entry_id, request, reclaimed), name=request.request_id)
         self._running[request.request_id] = task
         task.add_done_callback(lambda _t, rid=request.request_id: self._finished(rid))
 
@@ -124,10 +150,25 @@ class RequestConsumer:
             await self.redis.pipeline(transaction=False).xack(
                 self.stream, keys.WORKER_GROUP, entry_id).xdel(self.stream, entry_id).execute()
 
-    async def run_request(self, entry_id: str, request: RequestEnvelope) -> None:
+    async def run_request(self, entry_id: str, request: RequestEnvelope, reclaimed: bool = False) -> None:
         metrics.IN_FLIGHT.labels(self.model).set(self.in_flight)
-        metrics.QUEUE_TIME.labels(self.model).observe(max(0.0, time.time() - request.arrival))
-        terminal = await self._refuse_unstarted(request)
+        try:
+            leased, stashed, streamed = await (
+                self.redis.pipeline(transaction=False)
+                .set(keys.lease_key(request.request_id), self.worker_id, nx=True, ex=keys.LEASE_TTL_S)
+                .getdel(keys.cancelled_key(request.request_id))  # a cancel stashed while queued, consumed once
+                .exists(keys.streamed_key(request.request_id))
+                .execute())
+        except RedisError as exc:
+            log.warning("could not lease request %s (%s); leaving it for a retry", request.request_id, exc)
+            return
+        if not leased:
+            return  # its worker is alive and holds the lease
+        if reclaimed:
+            metrics.RECLAIMED.labels(self.model).inc()
+        else:
+            metrics.QUEUE_TIME.labels(self.model).observe(max(0.0, time.time() - request.arrival))
+        terminal = self._refuse_unstarted(request, stashed, bool(streamed))
         if terminal is None:
             terminal = await self._generate(request)
         if self._cancel_requested.pop(request.request_id, None) == "deadline":
@@ -139,12 +180,12 @@ class RequestConsumer:
                                          (self.stream, entry_id, request.request_id))
         await asyncio.shield(flushed)
 
-    async def _refuse_unstarted(self, request: RequestEnvelope) -> GenerationChunk | None:
-        """The terminal chunk of a request that must not start (cancelled or stale), else None."""
-        try:  # GETDEL: a cancel stashed while the request was queued is consumed exactly once
-            stashed = await self.redis.getdel(keys.cancelled_key(request.request_id))
-        except RedisError:
-            stashed = None
+    def _refuse_unstarted(self, request: RequestEnvelope, stashed: bytes | None,
+                          streamed: bool) -> GenerationChunk | None:
+        """The terminal chunk of a request that must not start (cancelled, stale, half-sent)."""
+        if streamed:  # a dead worker already sent part of it: running it again would repeat output
+            return _error_terminal(WorkerLost("The worker generating this response stopped mid-stream; "
+                                              "retry the request."))
         cause = stashed.decode() if stashed else self._cancel_requested.get(request.request_id)
         if cause is not None:
             metrics.CANCELS.labels(self.model, cause, "queued").inc()
@@ -260,11 +301,13 @@ class RequestConsumer:
                 capacity=self.max_concurrency, in_flight=self.in_flight, engine=self.adapter.engine_name,
                 started=self.started, draining=self.draining,
             )
+            pipe = (self.redis.pipeline(transaction=False)
+                    .set(keys.worker_key(self.worker_id), encode(info), ex=keys.HEARTBEAT_TTL_S)
+                    .set(keys.model_key(self.model), b"1", ex=keys.MODEL_MEMORY_TTL_S))
+            for request_id in self._running:
+                pipe.expire(keys.lease_key(request_id), keys.LEASE_TTL_S)
             try:
-                await (self.redis.pipeline(transaction=False)
-                       .set(keys.worker_key(self.worker_id), encode(info), ex=keys.HEARTBEAT_TTL_S)
-                       .set(keys.model_key(self.model), b"1", ex=keys.MODEL_MEMORY_TTL_S)
-                       .execute())
+                await pipe.execute()
             except RedisError as exc:
                 log.warning("heartbeat failed: %s", exc)
             await asyncio.sleep(keys.HEARTBEAT_INTERVAL_S)

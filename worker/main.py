@@ -19,12 +19,13 @@ from worker.consumer import RequestConsumer
 log = logging.getLogger(__name__)
 
 
-async def serve(adapter: GenerationAdapter, redis_url: str, max_concurrency: int, metrics_port: int = 0) -> None:
+async def serve(adapter: GenerationAdapter, redis_url: str, max_concurrency: int, metrics_port: int = 0,
+                claim_idle_s: float = 3.0) -> None:
     await adapter.start()
     if metrics_port:
         start_http_server(metrics_port)
     redis = aioredis.Redis.from_url(redis_url, socket_connect_timeout=2, health_check_interval=10)
-    consumer = RequestConsumer(redis, adapter, max_concurrency)
+    consumer = RequestConsumer(redis, adapter, max_concurrency, claim_idle_s=claim_idle_s)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, consumer.stop)

@@ -19,3 +19,4 @@ QUEUE_TIMEOUTS = Counter("llmfleet_worker_queue_timeouts_total", "Requests dropp
 CANCEL_LATENCY = Histogram("llmfleet_worker_cancel_seconds",
                            "From the gateway's cancel to the engine's last output", ["model"],
                            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2))
+RECLAIMED = Counter("llmfleet_worker_reclaimed_total", "Requests taken over from a worker that died", ["model"])

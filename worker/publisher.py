@@ -99,7 +99,8 @@ class ReplyPublisher:
         for outbox in outboxes:
             seq = self._seq.get(outbox.request_id, 0)
             envelope = ChunkEnvelope(outbox.request_id, seq, _coalesce(outbox.chunks), self.worker_id)
-            writes.append((outbox.reply_to, encode(envelope), outbox.ack))
+            writes.append((outbox.reply_to, encode(envelope), outbox.ack,
+                           outbox.request_id if seq == 0 and outbox.ack is None else None))
             if outbox.flushed is not None:
                 self._seq.pop(outbox.request_id, None)
             else:
@@ -109,17 +110,21 @@ class ReplyPublisher:
             if outbox.flushed is not None and not outbox.flushed.done():
                 outbox.flushed.set_result(None)
 
-    async def _write(self, writes: list[tuple[str, bytes, tuple[str, str, str] | None]]) -> None:
+    async def _write(self, writes: list[tuple]) -> None:
         delay = 0.05
         while True:
             pipe = self.redis.pipeline(transaction=False)
-            for reply_to, data, ack in writes:
+            for reply_to, data, ack, first_of in writes:
                 pipe.xadd(reply_to, {keys.ENVELOPE_FIELD: data},
                           maxlen=keys.REPLY_STREAM_MAXLEN, approximate=True, nomkstream=True)
+                if first_of is not None:  # output has reached the client: never run it again
+                    pipe.set(keys.streamed_key(first_of), b"1", ex=keys.CANCEL_MEMORY_TTL_S)
                 if ack is not None:
+                    request_id = ack[2]
                     pipe.xack(ack[0], keys.WORKER_GROUP, ack[1])
                     pipe.xdel(ack[0], ack[1])
-                    pipe.delete(keys.cancelled_key(ack[2]))  # a cancel that came while it ran
+                    pipe.delete(keys.cancelled_key(request_id), keys.lease_key(request_id),
+                                keys.streamed_key(request_id))
             try:
                 await pipe.execute()
                 return

@@ -1,0 +1,120 @@
+"""Workers killed with SIGKILL: a request is taken over, or ends with a clear error; never a hang."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+
+import httpx
+import pytest
+
+from tests.conftest import leftover_keys
+from tests.procs import metric_value, start_gateway, start_worker, wait_for, wait_until_served
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def gateway(redis_url):
+    proc = start_gateway(redis_url)
+    yield proc
+    proc.stop()
+
+
+def _body(model: str, stream: bool, max_tokens: int = 20) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": "tick tock"}], "max_tokens": max_tokens,
+            "stream": stream}
+
+
+def _post_in_background(url: str, body: dict) -> dict:
+    result: dict = {}
+
+    def call():
+        started = time.monotonic()
+        response = httpx.post(url, json=body, timeout=60)
+        result.update(status=response.status_code, body=response.text, seconds=time.monotonic() - started)
+
+    result["thread"] = threading.Thread(target=call)
+    result["thread"].start()
+    return result
+
+
+def _stream_text(body_text: str) -> str:
+    text = ""
+    for line in body_text.splitlines():
+        if line.startswith("data: {"):
+            for choice in json.loads(line[6:]).get("choices", ()):
+                text += choice["delta"].get("content") or ""
+    return text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_worker_killed_before_the_first_token_is_replaced(redis_url, redis_client, gateway, stream):
+    model = f"doomed-{uuid.uuid4().hex[:6]}"
+    doomed = start_worker(redis_url, model, "--scripted-first-token-delay", "60")
+    wait_until_served(gateway, model)
+    pending = _post_in_background(f"{gateway.url}/v1/chat/completions", _body(model, stream))
+    wait_for(lambda: metric_value(doomed.url, "llmfleet_worker_in_flight") == 1, 10, "the doomed worker to claim it")
+    doomed.kill()
+    rescuer = start_worker(redis_url, model, "--claim-idle", "1")
+    try:
+        pending["thread"].join(30)
+        print(f"request answered {pending['seconds']:.2f}s after it was sent (worker killed, rescuer started)")
+        assert pending["status"] == 200, pending["body"]
+        text = _stream_text(pending["body"]) if stream else json.loads(pending["body"])["choices"][0]["message"][
+            "content"]
+        assert text == " ".join(["tick", "tock"] * 10)
+        assert metric_value(rescuer.url, "llmfleet_worker_reclaimed_total") == 1
+        wait_for(lambda: not leftover_keys(redis_client), 5, "the request entry to be acknowledged")
+    finally:
+        rescuer.stop()
+
+
+def test_non_streaming_request_is_rerun_after_a_mid_generation_death(redis_url, gateway):
+    model = f"doomed-{uuid.uuid4().hex[:6]}"
+    doomed = start_worker(redis_url, model, "--scripted-tokens-per-second", "10")
+    rescuer = None
+    try:
+        wait_until_served(gateway, model)
+        pending = _post_in_background(f"{gateway.url}/v1/chat/completions", _body(model, False))
+        wait_for(lambda: metric_value(doomed.url, "llmfleet_worker_in_flight") == 1, 10, "the worker to claim it")
+        time.sleep(0.5)  # mid-generation: some tokens made, none sent (non-streaming)
+        doomed.kill()
+        rescuer = start_worker(redis_url, model, "--claim-idle", "1")
+        pending["thread"].join(30)
+        assert pending["status"] == 200
+        choice = json.loads(pending["body"])["choices"][0]
+        assert (choice["finish_reason"], choice["message"]["content"]) == ("length", " ".join(["tick", "tock"] * 10))
+    finally:
+        if rescuer is not None:
+            rescuer.stop()
+        doomed.kill()
+
+
+def test_worker_killed_mid_stream_ends_the_stream_with_an_error(redis_url, redis_client, gateway):
+    model = f"doomed-{uuid.uuid4().hex[:6]}"
+    doomed = start_worker(redis_url, model, "--scripted-tokens-per-second", "10")
+    wait_until_served(gateway, model)
+    with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", json=_body(model, True, 200),
+                      timeout=30) as response:
+        lines = response.iter_lines()
+        for _ in range(6):
+            next(lines)
+        doomed.kill()
+        killed_at = time.monotonic()
+        rest = [line for line in lines if line.startswith("data: ")]
+        surfaced_after = time.monotonic() - killed_at
+    error = json.loads(rest[-2][6:])["error"]
+    assert (error["code"], error["type"]) == (502, "BadGatewayError")
+    assert rest[-1] == "data: [DONE]"
+    print(f"worker death surfaced to the client after {surfaced_after:.2f}s")
+    assert surfaced_after < 6.0, f"the death took {surfaced_after:.1f}s to reach the client"
+    # A worker that comes later must not run the half-sent request again.
+    rescuer = start_worker(redis_url, model, "--claim-idle", "1")
+    try:
+        wait_for(lambda: not leftover_keys(redis_client), 10, "the dead worker's entry to be settled")
+        assert metric_value(rescuer.url, "llmfleet_worker_generated_tokens_total") == 0
+    finally:
+        rescuer.stop()
