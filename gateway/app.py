@@ -16,6 +16,7 @@ from starlette.responses import Response
 from gateway import openai_chat, openai_completions
 from gateway.errors import error_body, install_error_handlers, json_response
 from gateway.fleet import Fleet, GatewaySettings
+from gateway.limits import BodySizeLimit
 from gateway.protocol import CancelRequest
 
 
@@ -33,6 +34,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             await fleet.stop()
 
     app = FastAPI(title="llmfleet gateway", lifespan=lifespan)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     install_error_handlers(app)
     app.include_router(openai_chat.router)
     app.include_router(openai_completions.router)

@@ -39,6 +39,7 @@ class GatewaySettings:
     request_timeout_s: float = 600.0  # default and cap of a request's `timeout`
     queue_timeout_s: float = 60.0  # a request not started by then is dropped with a 503
     drain_grace_s: float = 30.0  # on SIGTERM, how long open requests may finish
+    max_body_bytes: int = 4 * 1024 * 1024
     gateway_id: str = ""
 
     def __post_init__(self) -> None:

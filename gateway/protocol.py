@@ -155,8 +155,11 @@ class GenerationRequest(OpenAIModel):
         )
 
 
+MAX_MESSAGES = 4096
+
+
 class ChatCompletionRequest(GenerationRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     logprobs: bool = False
     top_logprobs: int | None = None
     max_tokens: int | None = None
