@@ -25,9 +25,17 @@ from gateway.relay import ReplyRouter
 from shared import keys
 from shared.codec import encode
 from shared.envelopes import Candidate, ChunkEnvelope, GenerationChunk, RequestEnvelope, Usage
-from shared.errors import ServiceUnavailable, WorkerLost, error_from_info
+from shared.errors import Overloaded, ServiceUnavailable, WorkerLost, error_from_info
 
 log = logging.getLogger(__name__)
+
+# KEYS: request stream; ARGV: depth limit, maxlen, field, envelope. Returns {accepted, depth}.
+_ENQUEUE = """
+local depth = redis.call('XLEN', KEYS[1])
+if depth >= tonumber(ARGV[1]) then return {0, depth} end
+redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', ARGV[3], ARGV[4])
+return {1, depth}
+"""
 
 DEADLINE_GRACE_S = 5.0
 SILENCE_CHECK_S = 1.0  # how often a silent request checks that its worker still lives
@@ -40,6 +48,8 @@ class GatewaySettings:
     queue_timeout_s: float = 60.0  # a request not started by then is dropped with a 503
     drain_grace_s: float = 30.0  # on SIGTERM, how long open requests may finish
     max_body_bytes: int = 4 * 1024 * 1024
+    max_queue: int = 1000  # requests waiting per model beyond what its workers run: past it, 429
+    max_open_requests: int = 20000  # requests one gateway process follows at once: past it, 429
     gateway_id: str = ""
 
     def __post_init__(self) -> None:
@@ -119,6 +129,7 @@ class Fleet:
         self.router = ReplyRouter(self.redis, settings.gateway_id)
         self.registry = WorkerRegistry(self.redis)
         self.cancels = CancelRegistry(self.redis, settings.gateway_id)
+        self._enqueue_script = self.redis.register_script(_ENQUEUE)
         self.draining = False
         self._tasks: set[asyncio.Task] = set()
 
@@ -149,6 +160,9 @@ class Fleet:
         """Register the request and queue it for its model's workers; return its `Run`."""
         if self.draining:
             raise ServiceUnavailable("This gateway is shutting down; retry on another replica.")
+        if self.router.open_requests >= self.settings.max_open_requests:
+            raise Overloaded(f"This gateway is following its maximum of {self.settings.max_open_requests} "
+                             "requests; retry shortly.", retry_after=1)
         envelope.reply_to = self.router.stream
         replies = self.router.open(envelope.request_id)
         run = Run(self, envelope, replies)
@@ -156,13 +170,33 @@ class Fleet:
             if await self.cancels.register(envelope.request_id, envelope.cancel_id, self._ttl(envelope)):
                 replies.put_nowait(ChunkEnvelope(envelope.request_id, 0, [_cancelled_before_start(envelope)]))
                 return run
-            await self.redis.xadd(keys.request_stream(envelope.model), {keys.ENVELOPE_FIELD: encode(envelope)},
-                                  maxlen=keys.REQUEST_STREAM_MAXLEN, approximate=True)
+            await self._enqueue(envelope)
         except (RedisError, OSError) as exc:
-            self.router.close(envelope.request_id)
+            self.router.close(envelope.request_id)  # its registration keys expire on their own
             raise ServiceUnavailable("The request queue is unreachable; try again shortly.") from exc
+        except Overloaded:
+            self.router.close(envelope.request_id)
+            await self.cancels.finish(envelope.request_id, envelope.cancel_id, 1)
+            raise
         metrics.SUBMITTED.labels(envelope.model).inc()
         return run
+
+    async def _enqueue(self, envelope: RequestEnvelope) -> None:
+        """XADD unless the model's queue is full (one script: the check and the add are atomic)."""
+        # The stream holds every unanswered request: those the workers' slots can run, then the queue.
+        view = self.registry.models.get(envelope.model)
+        slots = view.capacity if view else 0
+        accepted, depth = await self._enqueue_script(
+            keys=[keys.request_stream(envelope.model)],
+            args=[self.settings.max_queue + slots, keys.REQUEST_STREAM_MAXLEN, keys.ENVELOPE_FIELD,
+                  encode(envelope)])
+        if not accepted:
+            backlog = max(1, depth - slots)
+            rate = view.drain_rate if view else 0.0
+            retry_after = min(60.0, backlog / rate) if rate > 0 else 5.0
+            metrics.OVERLOADED.labels(envelope.model).inc()
+            raise Overloaded(f"The queue for `{envelope.model}` is full ({backlog} requests waiting); retry "
+                             f"in about {retry_after:.0f}s.", retry_after=retry_after)
 
     @staticmethod
     def _ttl(envelope: RequestEnvelope) -> int:

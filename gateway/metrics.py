@@ -14,3 +14,5 @@ REQUEST_LATENCY = Histogram(
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
 RELAYED_TOKENS = Counter("llmfleet_gateway_completion_tokens_total", "Completion tokens relayed", ["model"])
 CANCELS = Counter("llmfleet_gateway_cancels_total", "Cancels sent to workers, by cause", ["cause"])
+OVERLOADED = Counter("llmfleet_gateway_overloaded_total", "Requests refused with 429: the model's queue was full",
+                     ["model"])

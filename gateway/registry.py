@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
@@ -30,6 +31,7 @@ class ModelView:
     name: str
     max_model_len: int
     workers: list[WorkerInfo] = field(default_factory=list)
+    drain_rate: float = 0.0  # requests answered per second by the fleet, smoothed
 
     @property
     def capacity(self) -> int:
@@ -40,6 +42,7 @@ class WorkerRegistry:
     def __init__(self, redis: aioredis.Redis):
         self.redis = redis
         self.models: dict[str, ModelView] = {}
+        self._refreshed = 0.0
 
     async def refresh(self) -> None:
         names = [key async for key in self.redis.scan_iter(match=keys.WORKER_KEY_PATTERN, count=500)]
@@ -55,7 +58,20 @@ class WorkerRegistry:
                 continue
             view = models.setdefault(info.model, ModelView(info.model, info.max_model_len))
             view.workers.append(info)
+        now = time.monotonic()
+        for view in models.values():
+            view.drain_rate = self._drain_rate(view, now)
         self.models = models
+        self._refreshed = now
+
+    def _drain_rate(self, view: ModelView, now: float) -> float:
+        """Completions per second since the last refresh, by worker counters, smoothed (EWMA)."""
+        old = self.models.get(view.name)
+        if old is None or now <= self._refreshed:
+            return 0.0
+        before = {w.worker_id: w.completed for w in old.workers}
+        done = sum(w.completed - before[w.worker_id] for w in view.workers if w.worker_id in before)
+        return 0.7 * old.drain_rate + 0.3 * max(done, 0) / (now - self._refreshed)
 
     async def run(self) -> None:
         while True:

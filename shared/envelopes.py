@@ -302,6 +302,7 @@ class WorkerInfo:
     started: float = 0.0
     draining: bool = False
     v: int = WIRE_VERSION
+    completed: int = 0  # requests answered since the worker started (the fleet's drain rate)
 
     def to_wire(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in _FIELDS[WorkerInfo]}

@@ -47,6 +47,7 @@ class RequestConsumer:
         self.stream = keys.request_stream(self.model)
         self.publisher = ReplyPublisher(redis, self.worker_id)
         self.started = time.time()
+        self.completed = 0
         self.draining = False
         self._running: dict[str, asyncio.Task] = {}
         self._cancel_requested: dict[str, str] = {}  # request id -> cause
@@ -176,6 +177,7 @@ class RequestConsumer:
         metrics.REQUESTS.labels(self.model, terminal.finish_reason or "unknown").inc()
         if terminal.usage is not None:
             metrics.GENERATED_TOKENS.labels(self.model).inc(terminal.usage.completion_tokens)
+        self.completed += 1
         flushed = self.publisher.finish(request.reply_to, request.request_id, terminal,
                                          (self.stream, entry_id, request.request_id))
         await asyncio.shield(flushed)
@@ -299,7 +301,7 @@ class RequestConsumer:
             info = WorkerInfo(
                 worker_id=self.worker_id, model=self.model, max_model_len=self.adapter.max_model_len,
                 capacity=self.max_concurrency, in_flight=self.in_flight, engine=self.adapter.engine_name,
-                started=self.started, draining=self.draining,
+                started=self.started, draining=self.draining, completed=self.completed,
             )
             pipe = (self.redis.pipeline(transaction=False)
                     .set(keys.worker_key(self.worker_id), encode(info), ex=keys.HEARTBEAT_TTL_S)
