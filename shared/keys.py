@@ -18,6 +18,8 @@
 |                                   |         | running the request                         |
 | llmfleet:streamed:{request_id}    | string  | TTL: the request's deadline; set with the   |
 |                                   |         | first published chunk                       |
+| llmfleet:dead-letter:{model}      | stream  | MAXLEN ~DEAD_LETTER_MAXLEN: envelopes no    |
+|                                   |         | worker could decode, with the reason        |
 | llmfleet:cancel                   | pub/sub | no storage                                  |
 """
 
@@ -36,6 +38,8 @@ HEARTBEAT_INTERVAL_S = 1.0
 MODEL_MEMORY_TTL_S = 3600
 
 CANCEL_MEMORY_TTL_S = 600  # how long a cancel waits for its run to show up
+DEAD_LETTER_MAXLEN = 10_000
+DEAD_LETTER_KEEP_BYTES = 64 * 1024  # of a poison envelope, kept for inspection
 CANCEL_CHANNEL = f"{PREFIX}:cancel"
 ENVELOPE_FIELD = b"e"  # the one field of every stream entry
 
@@ -81,3 +85,7 @@ def lease_key(request_id: str) -> str:
 
 def streamed_key(request_id: str) -> str:
     return f"{PREFIX}:streamed:{request_id}"
+
+
+def dead_letter_stream(model: str) -> str:
+    return f"{PREFIX}:dead-letter:{model}"

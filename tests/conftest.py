@@ -52,6 +52,8 @@ def leftover_keys(client: redis.Redis) -> list[str]:
         if name.startswith("llmfleet:requests:"):
             if client.xlen(key) > 0:
                 leftovers.append(f"{name} holds {client.xlen(key)} entries")
+        elif name.startswith("llmfleet:dead-letter:"):
+            continue  # kept on purpose, for inspection; bounded by MAXLEN
         elif client.ttl(key) < 0:
             leftovers.append(f"{name} has no TTL")
     return leftovers

@@ -52,6 +52,7 @@ class RequestConsumer:
         self._running: dict[str, asyncio.Task] = {}
         self._cancel_requested: dict[str, str] = {}  # request id -> cause
         self._progress: dict[str, _Progress] = {}
+        self._background: set[asyncio.Task] = set()
         self._slot_freed = asyncio.Event()
 
     @property
@@ -131,9 +132,9 @@ class RequestConsumer:
         try:
             request = decode(RequestEnvelope, data)
         except EnvelopeError as exc:
-            log.error("dropping malformed request %s: %s", entry_id, exc)
+            log.error("dead-lettering malformed request %s: %s", entry_id, exc)
             metrics.POISON_MESSAGES.labels(self.model).inc()
-            asyncio.ensure_future(self._ack(entry_id))
+            self._spawn(self._dead_letter(entry_id, data, str(exc)))
             return
         if request.request_id in self._running:
             return  # already ours: a reclaim of our own long-running entry
@@ -146,10 +147,22 @@ class RequestConsumer:
         metrics.IN_FLIGHT.labels(self.model).set(self.in_flight)
         self._slot_freed.set()
 
-    async def _ack(self, entry_id: str) -> None:
+    async def _dead_letter(self, entry_id: str, data: bytes, reason: str) -> None:
+        """Move a poison entry to the model's dead-letter stream, with why, and acknowledge it."""
+        record = {b"entry_id": entry_id, b"reason": reason, b"bytes": len(data),
+                  b"data": data[: keys.DEAD_LETTER_KEEP_BYTES], b"worker_id": self.worker_id}
         with contextlib.suppress(RedisError):
-            await self.redis.pipeline(transaction=False).xack(
-                self.stream, keys.WORKER_GROUP, entry_id).xdel(self.stream, entry_id).execute()
+            await (self.redis.pipeline(transaction=False)
+                   .xadd(keys.dead_letter_stream(self.model), record, maxlen=keys.DEAD_LETTER_MAXLEN,
+                         approximate=True)
+                   .xack(self.stream, keys.WORKER_GROUP, entry_id)
+                   .xdel(self.stream, entry_id)
+                   .execute())
+
+    def _spawn(self, job) -> None:
+        task = asyncio.create_task(job)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def run_request(self, entry_id: str, request: RequestEnvelope, reclaimed: bool = False) -> None:
         metrics.IN_FLIGHT.labels(self.model).set(self.in_flight)
@@ -209,7 +222,7 @@ class RequestConsumer:
         if request.deadline:
             delay = max(0.0, request.deadline - time.time())
             deadline = asyncio.get_running_loop().call_later(
-                delay, lambda: asyncio.ensure_future(self.cancel(request.request_id, "deadline")))
+                delay, lambda: self._spawn(self.cancel(request.request_id, "deadline")))
         try:
             if not request.stream:
                 return await collect_candidates(chunks, request.params.n)
@@ -275,7 +288,7 @@ class RequestConsumer:
                     continue
                 for request_id in notice.request_ids:
                     if request_id in self._running:
-                        asyncio.ensure_future(self.cancel(request_id, notice.reason, notice.sent_at))
+                        self._spawn(self.cancel(request_id, notice.reason, notice.sent_at))
         finally:
             await pubsub.aclose()
 
