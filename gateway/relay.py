@@ -16,8 +16,8 @@ from redis.exceptions import RedisError
 
 from shared import keys
 from shared.codec import decode
-from shared.envelopes import ChunkEnvelope
-from shared.errors import EnvelopeError
+from shared.envelopes import ChunkEnvelope, GenerationChunk
+from shared.errors import EnvelopeError, ServiceUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -58,14 +58,23 @@ class ReplyRouter:
                     self.connected.set()
                 replies = await self.redis.xread({self.stream: self._last_id}, count=READ_BATCH, block=1000)
             except RedisError as exc:
+                if self.connected.is_set():
+                    log.warning("reading replies failed: %s; failing %d open requests", exc, len(self._routes))
+                    self._fail_open_requests()
                 self.connected.clear()
-                log.warning("reading replies failed: %s", exc)
                 await asyncio.sleep(0.5)
                 continue
             for _stream, entries in replies or ():
                 for _entry_id, fields in entries:
                     self._deliver(fields)
                 self._last_id = entries[-1][0]
+
+    def _fail_open_requests(self) -> None:
+        """Redis went away: whatever was in flight can no longer reach us, so end it now."""
+        error = ServiceUnavailable("Lost the connection to the request queue; retry the request.").to_info()
+        for request_id, queue in self._routes.items():
+            queue.put_nowait(ChunkEnvelope(request_id, -1, [GenerationChunk(done=True, finish_reason="error",
+                                                                            error=error)]))
 
     def _deliver(self, fields: dict[bytes, bytes]) -> None:
         data = fields.get(keys.ENVELOPE_FIELD)

@@ -83,8 +83,8 @@ def _spawn(name: str, args: list[str], env: dict[str, str] | None = None) -> Pro
     return Proc(name, popen, log_path)
 
 
-def start_redis() -> Proc:
-    port = free_port()
+def start_redis(port: int | None = None) -> Proc:
+    port = port or free_port()
     proc = _spawn("redis", [find_redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                             "--appendonly", "no"])
     proc.url = f"redis://127.0.0.1:{port}/0"

@@ -101,6 +101,9 @@ class RequestConsumer:
             except RedisError as exc:
                 log.warning("claiming requests failed: %s", exc)
                 await asyncio.sleep(0.5)
+                if "NOGROUP" in str(exc):  # Redis restarted empty: make the group again
+                    with contextlib.suppress(RedisError):
+                        await self._ensure_group()
                 continue
             for _stream, entries in replies or ():
                 for entry_id, fields in entries:
@@ -275,6 +278,15 @@ class RequestConsumer:
                  state.tokens - state.tokens_at_cancel)
 
     async def _listen_for_cancels(self) -> None:
+        """Follow the cancel channel, resubscribing after Redis comes back."""
+        while True:
+            try:
+                await self._follow_cancels()
+            except RedisError as exc:
+                log.warning("cancel channel lost: %s; resubscribing", exc)
+                await asyncio.sleep(0.5)
+
+    async def _follow_cancels(self) -> None:
         pubsub = self.redis.pubsub()
         await pubsub.subscribe(keys.CANCEL_CHANNEL)
         try:

@@ -1,0 +1,64 @@
+"""Redis goes away and comes back: fail fast, end what was in flight, then heal without help."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from urllib.parse import urlparse
+
+import httpx
+import pytest
+
+from tests.procs import start_gateway, start_redis, start_worker, wait_for, wait_until_served
+
+pytestmark = pytest.mark.integration
+
+
+def _chat(model: str, **extra) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": "ping pong"}], "max_tokens": 4, **extra}
+
+
+def test_redis_restart(tmp_path):
+    redis = start_redis()
+    port = urlparse(redis.url).port
+    model = f"phoenix-{uuid.uuid4().hex[:6]}"
+    worker = start_worker(redis.url, model, "--scripted-tokens-per-second", "10")
+    gateway = start_gateway(redis.url)
+    try:
+        wait_until_served(gateway, model)
+        with httpx.stream("POST", f"{gateway.url}/v1/chat/completions",
+                          json=_chat(model, stream=True, max_tokens=200), timeout=30) as response:
+            lines = response.iter_lines()
+            for _ in range(4):
+                next(lines)
+            redis.kill()
+            killed_at = time.monotonic()
+            rest = [line for line in lines if line.startswith("data: ")]
+        in_flight_error_after = time.monotonic() - killed_at
+        assert json.loads(rest[-2][6:])["error"]["code"] == 503 and rest[-1] == "data: [DONE]"
+        assert in_flight_error_after < 3.0
+
+        assert httpx.get(f"{gateway.url}/ready", timeout=5).status_code == 503
+        started = time.monotonic()
+        refused = httpx.post(f"{gateway.url}/v1/chat/completions", json=_chat(model), timeout=10)
+        assert refused.status_code == 503 and time.monotonic() - started < 3.0
+
+        redis = start_redis(port)
+        restarted_at = time.monotonic()
+
+        def serves_again():
+            try:
+                reply = httpx.post(f"{gateway.url}/v1/chat/completions", json=_chat(model), timeout=5)
+            except httpx.HTTPError:
+                return False
+            return reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == "ping pong ping pong"
+
+        wait_for(serves_again, 20, "the fleet to serve again", interval=0.25)
+        print(f"in-flight error after {in_flight_error_after:.2f}s; served again "
+              f"{time.monotonic() - restarted_at:.2f}s after Redis returned")
+        assert worker.alive() and gateway.alive()
+    finally:
+        gateway.stop()
+        worker.stop()
+        redis.stop()
