@@ -36,6 +36,11 @@ class GenerationAdapter(ABC):
     async def check_health(self) -> None:
         """Raise if the engine can no longer serve requests."""
 
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the engine can serve no more requests, or None while it can."""
+        return None
+
     @abstractmethod
     def generate(self, request: RequestEnvelope) -> AsyncIterator[GenerationChunk]:
         """Stream the chunks of one request (see the module docstring for the contract)."""

@@ -32,7 +32,8 @@ from worker.publisher import ReplyPublisher
 
 log = logging.getLogger(__name__)
 
-ABORT_GRACE_S = 2.0  # how long an aborted generation may take to yield its terminal chunk
+ABORT_GRACE_S = 2.0
+ENGINE_CHECK_S = 2.0  # how often the engine's health is checked  # how long an aborted generation may take to yield its terminal chunk
 
 
 class RequestConsumer:
@@ -49,6 +50,7 @@ class RequestConsumer:
         self.started = time.time()
         self.completed = 0
         self.draining = False
+        self.fatal: BaseException | None = None  # set when the engine died
         self._running: dict[str, asyncio.Task] = {}
         self._cancel_requested: dict[str, str] = {}  # request id -> cause
         self._progress: dict[str, _Progress] = {}
@@ -68,6 +70,7 @@ class RequestConsumer:
                 tasks.create_task(self._heartbeat()),
                 tasks.create_task(self._listen_for_cancels()),
                 tasks.create_task(self.reclaim_requests()),
+                tasks.create_task(self._watch_engine()),
             ]
             try:
                 await self.claim_requests()
@@ -75,6 +78,22 @@ class RequestConsumer:
                 await self._drain()
                 for task in background:
                     task.cancel()
+
+    def _check_engine(self) -> None:
+        """If the engine is dead, stop: in-flight requests fail, and the process exits non-zero."""
+        if self.fatal is None and self.adapter.failure is not None:
+            self.fatal = self.adapter.failure
+            log.error("the engine died (%s): failing in-flight requests and exiting", self.fatal)
+            self.stop()
+
+    async def _watch_engine(self) -> None:
+        while not self.draining:
+            await asyncio.sleep(ENGINE_CHECK_S)
+            try:
+                await self.adapter.check_health()
+            except Exception as exc:  # any failure of the health check means the engine is gone
+                log.error("engine health check failed: %s", exc)
+            self._check_engine()
 
     def stop(self) -> None:
         """Stop claiming (SIGTERM); `run` returns once in-flight requests are answered."""
@@ -242,6 +261,7 @@ class RequestConsumer:
             raise
         except Exception as exc:  # an engine bug must fail this request, not the worker
             log.exception("request %s failed", request.request_id)
+            self._check_engine()
             return _error_terminal(EngineError(f"generation failed: {exc}"))
         finally:
             if deadline is not None:

@@ -36,4 +36,6 @@ async def serve(adapter: GenerationAdapter, redis_url: str, max_concurrency: int
     finally:
         await redis.aclose()
         await adapter.shutdown()
+    if consumer.fatal is not None:
+        raise SystemExit(f"worker {consumer.worker_id} stopped: the engine died ({consumer.fatal})")
     log.info("worker %s stopped", consumer.worker_id)

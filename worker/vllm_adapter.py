@@ -73,6 +73,10 @@ class VLLMAdapter(GenerationAdapter):
     async def check_health(self) -> None:
         await self.engine.check_health()
 
+    @property
+    def failure(self) -> BaseException | None:
+        return self.engine.dead_error if self.engine is not None and self.engine.errored else None
+
     async def abort(self, request_id: str) -> None:
         self._aborted.add(request_id)
         await self.engine.abort(request_id)
