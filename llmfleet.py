@@ -50,15 +50,18 @@ def option(name: str, **kwargs):
 @option("max-body-bytes", default=4 * 1024 * 1024, type=int, help="Larger request bodies get a 413.")
 @option("max-queue", default=1000, type=int, help="Waiting requests per model before new ones get a 429.")
 @option("max-open-requests", default=20000, type=int, help="Requests this gateway follows before a 429.")
+@option("max-buffered-chunks", default=1024, type=int, help="Reply batches held for a client that stopped "
+        "reading; past it the request is cancelled.")
 def gateway(host: str, port: int, redis_url: str, request_timeout: float, queue_timeout: float,
-            drain_grace: float, max_body_bytes: int, max_queue: int, max_open_requests: int) -> None:
+            drain_grace: float, max_body_bytes: int, max_queue: int, max_open_requests: int,
+            max_buffered_chunks: int) -> None:
     """Run a gateway (HTTP API) process."""
     from gateway.fleet import GatewaySettings
     from gateway.main import serve
 
     settings = GatewaySettings(redis_url=redis_url, request_timeout_s=request_timeout, queue_timeout_s=queue_timeout,
                                drain_grace_s=drain_grace, max_body_bytes=max_body_bytes, max_queue=max_queue,
-                               max_open_requests=max_open_requests)
+                               max_open_requests=max_open_requests, max_buffered_chunks=max_buffered_chunks)
     serve(settings, host, port,
           logging.getLevelName(logging.getLogger().level).lower())
 

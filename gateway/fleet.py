@@ -50,6 +50,7 @@ class GatewaySettings:
     max_body_bytes: int = 4 * 1024 * 1024
     max_queue: int = 1000  # requests waiting per model beyond what its workers run: past it, 429
     max_open_requests: int = 20000  # requests one gateway process follows at once: past it, 429
+    max_buffered_chunks: int = 1024  # reply envelopes held for a client that stopped reading
     gateway_id: str = ""
 
     def __post_init__(self) -> None:
@@ -126,7 +127,8 @@ class Fleet:
         self.settings = settings
         self.redis = aioredis.Redis.from_url(settings.redis_url, socket_connect_timeout=2,
                                              health_check_interval=10)
-        self.router = ReplyRouter(self.redis, settings.gateway_id)
+        self.router = ReplyRouter(self.redis, settings.gateway_id, settings.max_buffered_chunks,
+                                  on_overflow=self._cancel_slow_client)
         self.registry = WorkerRegistry(self.redis)
         self.cancels = CancelRegistry(self.redis, settings.gateway_id)
         self._enqueue_script = self.redis.register_script(_ENQUEUE)
@@ -180,6 +182,10 @@ class Fleet:
             raise
         metrics.SUBMITTED.labels(envelope.model).inc()
         return run
+
+    def _cancel_slow_client(self, request_id: str) -> None:
+        metrics.SLOW_CLIENTS.inc()
+        self._spawn(self.cancels.cancel_requests([request_id], "slow_client"))
 
     async def _enqueue(self, envelope: RequestEnvelope) -> None:
         """XADD unless the model's queue is full (one script: the check and the add are atomic)."""

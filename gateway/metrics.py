@@ -16,3 +16,5 @@ RELAYED_TOKENS = Counter("llmfleet_gateway_completion_tokens_total", "Completion
 CANCELS = Counter("llmfleet_gateway_cancels_total", "Cancels sent to workers, by cause", ["cause"])
 OVERLOADED = Counter("llmfleet_gateway_overloaded_total", "Requests refused with 429: the model's queue was full",
                      ["model"])
+SLOW_CLIENTS = Counter("llmfleet_gateway_slow_client_cancels_total",
+                       "Requests cancelled because their client stopped reading")

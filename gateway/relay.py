@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -25,9 +26,12 @@ READ_BATCH = 1000
 
 
 class ReplyRouter:
-    def __init__(self, redis: aioredis.Redis, gateway_id: str):
+    def __init__(self, redis: aioredis.Redis, gateway_id: str, max_buffered: int = 1024,
+                 on_overflow: Callable[[str], None] = lambda request_id: None):
         self.redis = redis
         self.stream = keys.reply_stream(gateway_id)
+        self.max_buffered = max_buffered  # envelopes waiting for one slow client
+        self.on_overflow = on_overflow
         self._routes: dict[str, asyncio.Queue[ChunkEnvelope]] = {}
         self._last_id = "$"
         self.connected = asyncio.Event()
@@ -86,8 +90,17 @@ class ReplyRouter:
             log.error("dropping malformed reply: %s", exc)
             return
         queue = self._routes.get(envelope.request_id)
-        if queue is not None:
-            queue.put_nowait(envelope)
+        if queue is None:
+            return
+        if queue.qsize() >= self.max_buffered:  # the client stopped reading: drop it, not our memory
+            self.close(envelope.request_id)
+            error = ServiceUnavailable("The client read too slowly; the response was cancelled.",
+                                       code="slow_client").to_info()
+            queue.put_nowait(ChunkEnvelope(envelope.request_id, -1,
+                                           [GenerationChunk(done=True, finish_reason="error", error=error)]))
+            self.on_overflow(envelope.request_id)
+            return
+        queue.put_nowait(envelope)
 
     async def keep_alive(self) -> None:
         """Refresh the reply stream's TTL while this gateway lives."""
