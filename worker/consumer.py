@@ -32,8 +32,8 @@ from worker.publisher import ReplyPublisher
 
 log = logging.getLogger(__name__)
 
-ABORT_GRACE_S = 2.0
-ENGINE_CHECK_S = 2.0  # how often the engine's health is checked  # how long an aborted generation may take to yield its terminal chunk
+ABORT_GRACE_S = 2.0  # how long an aborted generation may take to yield its terminal chunk
+ENGINE_CHECK_S = 2.0  # how often the engine's health is checked
 
 
 class RequestConsumer:

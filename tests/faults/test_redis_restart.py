@@ -52,7 +52,8 @@ def test_redis_restart(tmp_path):
                 reply = httpx.post(f"{gateway.url}/v1/chat/completions", json=_chat(model), timeout=5)
             except httpx.HTTPError:
                 return False
-            return reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == "ping pong ping pong"
+            content = reply.json()["choices"][0]["message"]["content"] if reply.status_code == 200 else None
+            return content == "ping pong ping pong"
 
         wait_for(serves_again, 20, "the fleet to serve again", interval=0.25)
         print(f"in-flight error after {in_flight_error_after:.2f}s; served again "
