@@ -69,6 +69,7 @@ class Run:
         self.closed = False
         self.closed_at = 0.0
         self.worker_id = ""
+        self._next_seq = 0
 
     async def __aenter__(self) -> Run:
         return self
@@ -88,6 +89,12 @@ class Run:
                 self._check_alive(deadline)
                 continue
             self.worker_id = envelope.worker_id
+            if envelope.seq >= 0:  # -1: an ending the gateway made itself
+                if envelope.seq != self._next_seq:
+                    self.close(reason="lost_chunks")
+                    raise ServiceUnavailable("Part of the response was lost in transit (the queue restarted); "
+                                             "retry the request.")
+                self._next_seq += 1
             for chunk in envelope.chunks:
                 if chunk.done:
                     self.finished = True
@@ -162,6 +169,8 @@ class Fleet:
         """Register the request and queue it for its model's workers; return its `Run`."""
         if self.draining:
             raise ServiceUnavailable("This gateway is shutting down; retry on another replica.")
+        if not self.router.connected.is_set():  # replies would have nowhere to land
+            raise ServiceUnavailable("The request queue is unreachable; try again shortly.")
         if self.router.open_requests >= self.settings.max_open_requests:
             raise Overloaded(f"This gateway is following its maximum of {self.settings.max_open_requests} "
                              "requests; retry shortly.", retry_after=1)
