@@ -58,7 +58,7 @@ class GatewaySettings:
 
 
 class Run:
-    """One request in flight; iterate `chunks()` once, then `close()` (done by `async with`)."""
+    """One request in flight: iterate `chunks()` once, then `close()`."""
 
     def __init__(self, fleet: Fleet, envelope: RequestEnvelope, replies: asyncio.Queue[ChunkEnvelope]):
         self.fleet = fleet
@@ -70,12 +70,6 @@ class Run:
         self.closed_at = 0.0
         self.worker_id = ""
         self._next_seq = 0
-
-    async def __aenter__(self) -> Run:
-        return self
-
-    async def __aexit__(self, *exc_info) -> None:
-        self.close()
 
     async def chunks(self) -> AsyncIterator[GenerationChunk]:
         """Every chunk of the request, in order, ending with its terminal chunk."""

@@ -1,0 +1,62 @@
+"""Routes about the fleet itself: models served, cancels, health, readiness, metrics, version."""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as package_version
+
+from fastapi import APIRouter, Request
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.responses import Response
+
+from gateway.errors import error_body, json_response
+from gateway.protocol import CancelRequest
+
+router = APIRouter()
+
+
+@router.post("/v1/cancel")
+async def cancel(body: CancelRequest, request: Request) -> Response:
+    cancels = request.app.state.fleet.cancels
+    if body.cancel_id is not None:
+        count = await cancels.cancel(cancel_id=body.cancel_id)
+    else:
+        count = await cancels.cancel(request_id=body.request_id)
+    return json_response({"cancelled": count})
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> Response:
+    models = request.app.state.fleet.registry.models
+    data = [
+        {"id": view.name, "object": "model", "created": int(min(w.started for w in view.workers)),
+         "owned_by": "llmfleet", "root": view.name, "parent": None, "max_model_len": view.max_model_len,
+         "permission": []}
+        for view in sorted(models.values(), key=lambda v: v.name)
+    ]
+    return json_response({"object": "list", "data": data})
+
+
+@router.get("/health")
+async def health() -> Response:
+    return Response(status_code=200)
+
+
+@router.get("/ready")
+async def ready(request: Request) -> Response:
+    if await request.app.state.fleet.ready():
+        return json_response({"status": "ready"})
+    return json_response(error_body("Not ready: Redis is unreachable or the gateway is draining", 503), 503)
+
+
+@router.get("/metrics")
+async def metrics() -> Response:
+    return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/version")
+async def version() -> Response:
+    try:
+        return json_response({"version": package_version("llmfleet")})
+    except PackageNotFoundError:
+        return json_response({"version": "0.0.0+local"})
