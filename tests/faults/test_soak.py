@@ -20,7 +20,7 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
-from tests.procs import start_gateway, start_redis, start_worker, wait_until_served
+from tests.procs import LOG_DIR, start_gateway, start_redis, start_worker, wait_until_served
 
 pytestmark = pytest.mark.integration
 
@@ -132,6 +132,8 @@ def test_soak():
               *(f"  {kind}: {count}" for kind, count in outcomes.most_common()),
               f"  latency p50 {latencies[len(latencies) // 2]:.3f}s, max {latencies[-1]:.3f}s", *events]
     print("\n".join(report))
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    (LOG_DIR / "soak-report.txt").write_text("\n".join(report) + "\n")
     assert outcomes["hang"] == 0, "\n".join(report)
     unexplained = {kind for kind in outcomes if kind != "ok" and kind not in EXPECTED_ERRORS}
     assert not unexplained, "\n".join(report)
