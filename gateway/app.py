@@ -6,7 +6,6 @@ process's own reply stream, and the worker registry lives in Redis.
 
 from __future__ import annotations
 
-import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -37,5 +36,4 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.include_router(openai_completions.router)
     app.include_router(fleet_routes.router)
 
-    app.state.started = time.time()
     return app

@@ -150,7 +150,6 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     reasoning_tokens: int | None = None
-    cached_tokens: int | None = None
 
 
 @dataclass(slots=True)
@@ -162,7 +161,7 @@ class Candidate:
     reasoning: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
     logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     completion_tokens: int = 0
 
@@ -182,7 +181,7 @@ class GenerationChunk:
     reasoning: str = ""
     tool_calls: list[ToolCallDelta] | None = None
     logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     done: bool = False
     usage: Usage | None = None
@@ -264,10 +263,6 @@ class ChunkEnvelope:
             raise EnvelopeError("ChunkEnvelope.chunks must be a list")
         known["chunks"] = [GenerationChunk.from_wire(c) for c in raw_chunks]
         return _build(cls, known)
-
-    @property
-    def is_terminal(self) -> bool:
-        return bool(self.chunks) and self.chunks[-1].done
 
 
 @dataclass(slots=True)
