@@ -76,10 +76,8 @@ class Run:
         # The worker ends a generation at its deadline; the grace lets that ending arrive first.
         deadline = self.envelope.deadline + DEADLINE_GRACE_S
         while not self.finished:
-            timeout = min(deadline - time.time(), SILENCE_CHECK_S)
-            try:
-                envelope = await asyncio.wait_for(self._replies.get(), timeout=max(timeout, 0.001))
-            except TimeoutError:
+            envelope = await self._next_envelope(deadline)
+            if envelope is None:
                 self._check_alive(deadline)
                 continue
             self.worker_id = envelope.worker_id
@@ -93,6 +91,16 @@ class Run:
                 if chunk.done:
                     self.finished = True
                 yield chunk
+
+    async def _next_envelope(self, deadline: float) -> ChunkEnvelope | None:
+        """The next reply, or None after a silence of SILENCE_CHECK_S (or at the deadline)."""
+        if not self._replies.empty():  # the common case under load: no timer at all
+            return self._replies.get_nowait()
+        try:
+            async with asyncio.timeout(max(min(deadline - time.time(), SILENCE_CHECK_S), 0.001)):
+                return await self._replies.get()
+        except TimeoutError:
+            return None
 
     def _check_alive(self, deadline: float) -> None:
         """After a silence: raise if the deadline passed or the streaming worker is gone."""
