@@ -35,6 +35,7 @@ test-fast: install
 
 bench: install
 	$(BIN)/python -m bench.cancel_latency
+	$(BIN)/python -m bench.relay_throughput
 
 clean:
 	rm -rf $(VENV) .pytest_cache
