@@ -18,18 +18,19 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import httpx
 
 from bench.common import RESULTS, percentile
-from tests.procs import _spawn, free_port, start_gateway, start_redis, start_worker, wait_for, wait_until_served
+from tests.procs import free_port, spawn, start_gateway, start_redis, start_worker, wait_for, wait_until_served
 
 TOKENS = 16
 WORDS = "one two three four"
 
 
 def _cpu_seconds(pid: int) -> float:
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--concurrency", type=int, default=64)
     args = parser.parse_args(argv)
     port = free_port()
-    baseline = _spawn("baseline-sse", [sys.executable, "-m", "bench.baseline_sse", str(port)])
+    baseline = spawn("baseline-sse", [sys.executable, "-m", "bench.baseline_sse", str(port)])
     redis = start_redis()
     worker = start_worker(redis.url, "relay", "--max-concurrency", "256")
     gateway = start_gateway(redis.url)

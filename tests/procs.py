@@ -73,7 +73,7 @@ class Proc:
         return self.log_path.read_text(errors="replace")
 
 
-def _spawn(name: str, args: list[str], env: dict[str, str] | None = None) -> Proc:
+def spawn(name: str, args: list[str], env: dict[str, str] | None = None) -> Proc:
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     log_path = LOG_DIR / f"{name}-{time.time_ns()}.log"
     log_file = open(log_path, "wb")  # noqa: SIM115 - owned by the child process
@@ -85,7 +85,7 @@ def _spawn(name: str, args: list[str], env: dict[str, str] | None = None) -> Pro
 
 def start_redis(port: int | None = None) -> Proc:
     port = port or free_port()
-    proc = _spawn("redis", [find_redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+    proc = spawn("redis", [find_redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                             "--appendonly", "no"])
     proc.url = f"redis://127.0.0.1:{port}/0"
     client = redis.Redis.from_url(proc.url)
@@ -102,7 +102,7 @@ def start_redis(port: int | None = None) -> Proc:
 
 def start_gateway(redis_url: str, *args: str, env: dict[str, str] | None = None) -> Proc:
     port = free_port()
-    proc = _spawn("gateway", [sys.executable, "-m", "llmfleet", "gateway", "--host", "127.0.0.1", "--port",
+    proc = spawn("gateway", [sys.executable, "-m", "llmfleet", "gateway", "--host", "127.0.0.1", "--port",
                               str(port), "--redis-url", redis_url, *args], env)
     proc.url = f"http://127.0.0.1:{port}"
 
@@ -122,7 +122,7 @@ def start_worker(redis_url: str, model: str, *args: str, engine: str = "scripted
                  env: dict[str, str] | None = None, timeout: float = 30) -> Proc:
     metrics_port = free_port()
     name = served_name or model
-    proc = _spawn(f"worker-{engine}", [
+    proc = spawn(f"worker-{engine}", [
         sys.executable, "-m", "llmfleet", "worker", "--model", model, "--engine", engine,
         "--served-model-name", name, "--redis-url", redis_url, "--metrics-port", str(metrics_port), *args,
     ], env)
