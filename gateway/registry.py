@@ -3,7 +3,9 @@
 Workers write a heartbeat key with a short TTL; a gateway refreshes its view every second by
 scanning those keys. A model is *served* while some live worker announces it, and *known* while
 its `model:{name}` key lives (an hour after the last heartbeat): an unknown model is a 404, a
-known model with no live worker is a 503.
+known model with no live worker is a 503. A gateway also remembers the models it has seen served,
+so a Redis restart (which loses every key) reads as a 503 until the workers announce themselves
+again, never as a 404.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class WorkerRegistry:
     def __init__(self, redis: aioredis.Redis):
         self.redis = redis
         self.models: dict[str, ModelView] = {}
+        self._seen: dict[str, float] = {}  # model -> when this gateway last saw it served
         self._refreshed = 0.0
 
     async def refresh(self) -> None:
@@ -63,6 +66,8 @@ class WorkerRegistry:
             view.drain_rate = self._drain_rate(view, now)
         self.models = models
         self._refreshed = now
+        self._seen.update((name, now) for name in models)
+        self._seen = {name: at for name, at in self._seen.items() if now - at < keys.MODEL_MEMORY_TTL_S}
 
     def _drain_rate(self, view: ModelView, now: float) -> float:
         """Completions per second since the last refresh, by worker counters, smoothed (EWMA)."""
@@ -91,6 +96,7 @@ class WorkerRegistry:
         view = self.models.get(model) if model is not None else None
         if view is not None and view.capacity > 0:
             return view
-        if model is not None and (view is not None or await self.redis.exists(keys.model_key(model))):
+        if model is not None and (view is not None or model in self._seen
+                                  or await self.redis.exists(keys.model_key(model))):
             raise ServiceUnavailable(f"No worker is serving the model `{model}` right now.")
         raise ModelNotFound(f"The model `{model}` does not exist.", param="model", code="model_not_found")

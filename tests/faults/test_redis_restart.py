@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 import uuid
 from urllib.parse import urlparse
@@ -10,6 +12,7 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
+from gateway.registry import REFRESH_S
 from tests.procs import start_gateway, start_redis, start_worker, wait_for, wait_until_served
 
 pytestmark = pytest.mark.integration
@@ -44,18 +47,31 @@ def test_redis_restart(tmp_path):
         refused = httpx.post(f"{gateway.url}/v1/chat/completions", json=_chat(model), timeout=10)
         assert refused.status_code == 503 and time.monotonic() - started < 3.0
 
-        redis = start_redis(port)
+        # Redis comes back empty. Until a worker announces itself again the model is unserved but
+        # still known to the gateway: a 503, never a 404. Pause the worker to hold that window open.
+        os.kill(worker.pid, signal.SIGSTOP)
+        try:
+            redis = start_redis(port)
+            time.sleep(2 * REFRESH_S)
+            unserved = httpx.post(f"{gateway.url}/v1/chat/completions", json=_chat(model), timeout=10)
+        finally:
+            os.kill(worker.pid, signal.SIGCONT)
+        assert unserved.status_code == 503, unserved.text
         restarted_at = time.monotonic()
+        statuses = set()
 
         def serves_again():
             try:
                 reply = httpx.post(f"{gateway.url}/v1/chat/completions", json=_chat(model), timeout=5)
             except httpx.HTTPError:
                 return False
+            statuses.add(reply.status_code)
             content = reply.json()["choices"][0]["message"]["content"] if reply.status_code == 200 else None
             return content == "ping pong ping pong"
 
         wait_for(serves_again, 20, "the fleet to serve again", interval=0.25)
+        # Redis came back empty: the model is still known to the gateway, so 503 until it is served.
+        assert statuses <= {200, 503}, statuses
         print(f"in-flight error after {in_flight_error_after:.2f}s; served again "
               f"{time.monotonic() - restarted_at:.2f}s after Redis returned")
         assert worker.alive() and gateway.alive()
