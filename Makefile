@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 ENGINE ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 STAMP  := $(VENV)/.installed-$(ENGINE)
 
-.PHONY: install up test test-fast lint clean bench
+.PHONY: install up test test-fast lint clean bench parity
 
 install: $(STAMP)
 
@@ -32,6 +32,10 @@ test: install
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not vllm"
+
+# The parity battery alone: vllm serve and llmfleet side by side, the table of matches per feature.
+parity: install
+	$(BIN)/python -m tests.parity
 
 bench: install
 	$(BIN)/python -m bench.cancel_latency

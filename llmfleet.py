@@ -108,6 +108,8 @@ def worker(model, engine, served_model_name, redis_url, max_concurrency, metrics
 
         from worker.vllm_adapter import VLLMAdapter
 
+        if reasoning_parser:  # the engine needs it too: structured outputs start after the reasoning
+            engine_options["reasoning_parser"] = reasoning_parser
         engine_args = AsyncEngineArgs(model=model, served_model_name=name,
                                       **{k: v for k, v in engine_options.items() if v is not None})
         adapter = VLLMAdapter(engine_args, name, chat_template=_read(chat_template),

@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from gateway import fleet_routes, openai_chat, openai_completions
+from gateway import fleet_routes, openai_chat, openai_completions, tokenizer_routes
 from gateway.errors import install_error_handlers
 from gateway.fleet import Fleet, GatewaySettings
 from gateway.limits import BodySizeLimit
@@ -35,5 +35,6 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.include_router(openai_chat.router)
     app.include_router(openai_completions.router)
     app.include_router(fleet_routes.router)
+    app.include_router(tokenizer_routes.router)
 
     return app

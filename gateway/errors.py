@@ -17,6 +17,7 @@ from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
+from gateway.protocol import FieldRuleError
 from shared.errors import FleetError, Overloaded
 
 ERROR_TYPES = {
@@ -36,7 +37,7 @@ def error_body(message: str, status: int, param: str | None = None, err_type: st
 
 
 def fleet_error_body(error: FleetError) -> dict[str, Any]:
-    return error_body(error.message, error.status, error.param)
+    return error_body(error.message, error.status, error.param, error.err_type)
 
 
 def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -55,14 +56,6 @@ def _loc_param(loc: tuple) -> str:
                     ("function-after", "function-before", "function-wrap", "union", "tagged-union"))
 
 
-def _validation_param(errors: list[dict]) -> str | None:
-    for error in errors:
-        rule = (error.get("ctx") or {}).get("error")
-        if getattr(rule, "param", None):
-            return rule.param
-    return _loc_param(tuple(errors[0].get("loc", ()))) if errors else None
-
-
 def _describe(error: dict) -> str:
     error = {k: v for k, v in error.items() if k in ("type", "loc", "msg")}
     error["loc"] = _loc_param(tuple(error.get("loc", ())))
@@ -71,9 +64,14 @@ def _describe(error: dict) -> str:
 
 async def _on_validation_error(_request: Request, exc: RequestValidationError) -> Response:
     errors = list(exc.errors())
+    rule = next((e["ctx"]["error"] for e in errors if isinstance((e.get("ctx") or {}).get("error"), FieldRuleError)),
+                None)
+    if rule is not None:  # a rule vLLM checks in its request model: its own error type and message
+        return json_response(error_body(str(rule), 400, rule.param, "BadRequestError"), 400)
     label = "error" if len(errors) == 1 else "errors"
     message = f"{len(errors)} validation {label}:\n" + "\n".join(f"  {_describe(e)}" for e in errors[:10])
-    return json_response(error_body(message, 400, _validation_param(errors), "Bad Request"), 400)
+    param = _loc_param(tuple(errors[0].get("loc", ()))) if errors else None
+    return json_response(error_body(message, 400, param, "Bad Request"), 400)
 
 
 async def _on_fleet_error(_request: Request, exc: FleetError) -> Response:

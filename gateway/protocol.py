@@ -52,7 +52,7 @@ class MessageToolCall(OpenAIModel):
 
 
 class ChatMessage(OpenAIModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: str  # any role the chat template knows; vLLM renders custom roles too
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None
@@ -197,7 +197,7 @@ class ChatCompletionRequest(GenerationRequest):
 
 
 class CompletionRequest(GenerationRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[int] | list[list[int]] | None = None
     echo: bool = False
     logprobs: int | None = None
     max_tokens: int | None = 16
@@ -217,6 +217,8 @@ class CompletionRequest(GenerationRequest):
 
     @model_validator(mode="after")
     def _completion_rules(self) -> CompletionRequest:
+        if self.prompt is None:
+            raise FieldRuleError("Either prompt or prompt_embeds must be provided and non-empty.", param="prompt")
         if self.suffix is not None:
             raise FieldRuleError("suffix is only supported for models with FIM completion rendering",
                                  param="suffix")
@@ -225,11 +227,14 @@ class CompletionRequest(GenerationRequest):
         return self
 
 
-def check_sampling(options: SamplingOptions, max_model_len: int) -> None:
-    """vLLM's sampling-parameter checks, with its messages (SamplingParams._verify_args)."""
+def check_sampling(options: SamplingOptions, max_model_len: int, max_tokens_field: str = "max_tokens") -> None:
+    """vLLM's sampling-parameter checks, with its messages and params (SamplingParams._verify_args).
+
+    `max_tokens_field` names the field the client used for the output limit.
+    """
     o = options
     rules: list[tuple[bool, str, str | None]] = [
-        (o.n < 1, f"n must be at least 1, got {o.n}.", "n"),
+        (o.n < 1, f"n must be at least 1, got {o.n}.", None),
         (o.n > MAX_N, f"n must be at most {MAX_N}, got {o.n}.", "n"),
         (o.presence_penalty is not None and not -2 <= o.presence_penalty <= 2,
          f"presence_penalty must be in [-2, 2], got {o.presence_penalty}.", None),
@@ -250,8 +255,8 @@ def check_sampling(options: SamplingOptions, max_model_len: int) -> None:
         (o.max_tokens is not None and o.max_tokens < 1,
          f"max_tokens must be at least 1, got {o.max_tokens}.", "max_tokens"),
         (o.max_tokens is not None and o.max_tokens > max_model_len,
-         f"max_tokens={o.max_tokens} cannot be greater than max_model_len={max_model_len}. "
-         "Please request fewer output tokens.", "max_tokens"),
+         (f"{max_tokens_field}={o.max_tokens} cannot be greater than max_model_len={max_model_len}. "
+          "Please request fewer output tokens."), max_tokens_field),
         (o.min_tokens < 0, f"min_tokens must be greater than or equal to 0, got {o.min_tokens}.", None),
         (o.max_tokens is not None and o.min_tokens > o.max_tokens,
          f"min_tokens must be less than or equal to max_tokens={o.max_tokens}, got {o.min_tokens}.", None),
@@ -270,6 +275,12 @@ def check_sampling(options: SamplingOptions, max_model_len: int) -> None:
         except ValueError:
             raise InvalidRequest(f"logit_bias contains key(s) that cannot be converted to integer token IDs: "
                                  f"[{key!r}]", param="logit_bias") from None
+
+
+class TokenizerRequest(OpenAIModel):
+    """POST /tokenize, /detokenize: the worker's tokenizer checks the rest, as vLLM does."""
+
+    model: str | None = None
 
 
 class CancelRequest(OpenAIModel):

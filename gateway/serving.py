@@ -29,7 +29,7 @@ from gateway import metrics
 from gateway.errors import fleet_error_body, fleet_error_response, json_response
 from gateway.fleet import Fleet, GatewaySettings, Run
 from gateway.protocol import GenerationRequest
-from shared.envelopes import GenerationChunk, RequestEnvelope, SamplingOptions
+from shared.envelopes import GenerationChunk, RequestEnvelope, SamplingOptions, Usage
 from shared.errors import FleetError, error_from_info
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -39,8 +39,29 @@ def sse(event: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(event) + b"\n\n"
 
 
+def usage_body(usage: Usage | None, details: bool = False) -> dict[str, Any]:
+    """OpenAI usage; `details` adds vLLM's null detail fields (whole responses)."""
+    usage = usage or Usage()
+    body: dict[str, Any] = {
+        "prompt_tokens": usage.prompt_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "completion_tokens": usage.completion_tokens,
+    }
+    if details:
+        body["prompt_tokens_details"] = None
+    if usage.reasoning_tokens is not None:
+        body["completion_tokens_details"] = {"reasoning_tokens": usage.reasoning_tokens}
+    elif details:
+        body["completion_tokens_details"] = None
+    return body
+
+
 class Formatter:
-    """Turns one request's chunks into an API family's JSON: SSE events, or the whole response."""
+    """Turns one request's chunks into an API family's JSON: SSE events, or the whole response.
+
+    The shapes are `vllm serve`'s, key for key: a client switching from it sees no difference.
+    Subclasses give the choice objects (`_choice`) and the whole response (`response`).
+    """
 
     endpoint: str
     id_prefix: str
@@ -55,6 +76,9 @@ class Formatter:
         self.include_usage = bool(options and options.include_usage)
         self.continuous_usage = self.include_usage and bool(options.continuous_usage_stats)
         self._prompt_tokens = 0
+        self._tokens = [0] * request.n  # completion tokens per choice so far
+        self._finished = [False] * request.n
+        self._fingerprint: str | None = None
 
     def _chunk(self, choices: list[dict[str, Any]], usage: dict | None = None) -> dict[str, Any]:
         body = {"id": self.response_id, "object": self.chunk_object, "created": self.created,
@@ -71,18 +95,77 @@ class Formatter:
         """The whole non-streaming response, from the terminal chunk's candidates."""
         raise NotImplementedError
 
+    def _choice(self, index: int, chunk: GenerationChunk | None, finish: str | None) -> dict[str, Any]:
+        """One choice of a stream chunk; `chunk` None for the empty finish of a silent choice."""
+        raise NotImplementedError
 
-def new_envelope(body: GenerationRequest, kind: str, params: SamplingOptions, model: str,
-                 settings: GatewaySettings, **request_fields) -> RequestEnvelope:
-    """The envelope of a validated request, with its deadlines from the gateway's limits."""
+    def _note(self, chunk: GenerationChunk) -> list[dict[str, Any]]:
+        """Track what later events need: prompt tokens, tokens per choice, the fingerprint."""
+        if chunk.usage is not None:
+            self._prompt_tokens = chunk.usage.prompt_tokens
+        if chunk.system_fingerprint is not None:
+            self._fingerprint = chunk.system_fingerprint
+        if not chunk.done:
+            self._tokens[chunk.choice_index] += chunk.token_count
+        return []
+
+    def _running_usage(self, index: int) -> dict[str, Any] | None:
+        """`continuous_usage_stats`: the usage of choice `index` so far, on every chunk."""
+        if not self.continuous_usage:
+            return None
+        done = self._tokens[index]
+        usage = {"prompt_tokens": self._prompt_tokens, "total_tokens": self._prompt_tokens + done,
+                 "completion_tokens": done}
+        if self.endpoint == "chat":
+            usage["completion_tokens_details"] = None
+        return usage
+
+    def _delta_event(self, chunk: GenerationChunk) -> dict[str, Any]:
+        index = chunk.choice_index
+        finish = chunk.finish_reason
+        self._finished[index] = self._finished[index] or finish is not None
+        return self._finishing(self._chunk([self._choice(index, chunk, finish)], self._running_usage(index)), finish)
+
+    def _finishing(self, event: dict[str, Any], finish: str | None) -> dict[str, Any]:
+        # Without a usage chunk to close the stream, each choice's finish carries the fingerprint.
+        if finish is not None and not self.include_usage and self._fingerprint is not None:
+            event["system_fingerprint"] = self._fingerprint
+        return event
+
+    def _closing_events(self, terminal: GenerationChunk) -> list[dict[str, Any]]:
+        """A finish for every choice that has none yet, then the usage chunk if asked for."""
+        events = []
+        for i in range(self.n):
+            if not self._finished[i]:
+                self._finished[i] = True
+                finish = terminal.finish_reason or "stop"
+                event = self._chunk([self._choice(i, None, finish)], self._running_usage(i))
+                events.append(self._finishing(event, finish))
+        if self.include_usage:
+            event = self._chunk([], usage_body(terminal.usage))
+            if self._fingerprint is not None:
+                event["system_fingerprint"] = self._fingerprint
+            events.append(event)
+        return events
+
+
+async def request_json(request: Request) -> dict[str, Any]:
+    """The request body as the client sent it (FastAPI has read and validated it already)."""
+    return orjson.loads(await request.body())
+
+
+def new_envelope(raw: dict[str, Any], kind: str, model: str, settings: GatewaySettings, *,
+                 body: GenerationRequest | None = None, params: SamplingOptions | None = None) -> RequestEnvelope:
+    """The envelope of a validated request (`body`: its parsed form), with the gateway's deadlines."""
     now = time.time()
-    timeout = min(body.timeout or settings.request_timeout_s, settings.request_timeout_s)
+    timeout = settings.request_timeout_s
+    if body is not None and body.timeout:
+        timeout = min(body.timeout, timeout)
     return RequestEnvelope(
         request_id=uuid.uuid4().hex, model=model, kind=kind, reply_to="", arrival=now,
         deadline=now + timeout, queue_deadline=now + min(settings.queue_timeout_s, timeout),
-        stream=body.stream, params=params, cancel_id=body.cancel_id,
-        response_format=body.response_format.model_dump(exclude_none=True) if body.response_format else None,
-        structured_outputs=body.structured_outputs, **request_fields,
+        stream=body is not None and body.stream, body=raw, params=params or SamplingOptions(),
+        cancel_id=body.cancel_id if body is not None else None,
     )
 
 
@@ -95,6 +178,10 @@ async def serve_generation(request: Request, fleet: Fleet, envelope: RequestEnve
         first, rest = await _race_disconnect(request, run.first_or_error())
     except BaseException as exc:
         _finish(run, envelope, formatter, started, exc)
+        if isinstance(exc, FleetError) and exc.in_stream and envelope.stream:
+            # The engine's server had begun its stream (vLLM checks some parameters only when the
+            # engine starts): 200, then the error as an event, as `vllm serve` answers.
+            return StreamingResponse(iter((sse(fleet_error_body(exc)), SSE_DONE)), media_type="text/event-stream")
         if isinstance(exc, FleetError):
             return fleet_error_response(exc)
         if isinstance(exc, ClientDisconnected):

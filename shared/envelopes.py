@@ -26,10 +26,14 @@ from shared.errors import EnvelopeError, ErrorInfo
 
 WIRE_VERSION = 1
 
-Kind = Literal["chat", "completion"]
-FinishReason = Literal["stop", "length", "tool_calls", "cancelled", "error"]
-# OpenAI-shaped logprob entry: {"token", "logprob", "bytes", "top_logprobs": [...]}.
-TokenLogprob = dict[str, Any]
+Kind = Literal["chat", "completion", "tokenize", "detokenize"]
+# "stop", "length", "tool_calls", "cancelled", "error", or another reason the engine gives
+# (vLLM's "repetition"); the gateway shows it as the engine's server would.
+FinishReason = str
+# Logprobs in the shape of the request's API: for chat, a list of OpenAI entries
+# {"token", "logprob", "bytes", "top_logprobs": [...]}; for completions, the parallel lists
+# {"text_offset", "token_logprobs", "tokens", "top_logprobs"}.
+Logprobs = list[dict[str, Any]] | dict[str, list]
 
 
 def _field_names(cls) -> frozenset[str]:
@@ -41,7 +45,7 @@ def _compact(obj) -> dict[str, Any]:
     out = {}
     for f in fields(obj):
         value = getattr(obj, f.name)
-        if value is None or (f.default is not MISSING and value == f.default):
+        if f.default is not MISSING and value == f.default:
             continue
         out[f.name] = value
     return out
@@ -97,15 +101,10 @@ class RequestEnvelope:
     arrival: float  # wall-clock seconds when the gateway accepted the request
     deadline: float = 0.0  # wall-clock seconds; 0 means none
     stream: bool = False  # False: the worker sends one terminal chunk with candidates
-    messages: list[dict[str, Any]] | None = None  # chat: OpenAI messages, validated by the gateway
-    prompt: str | list[int] | None = None  # completion: text or token ids
-    params: SamplingOptions = field(default_factory=SamplingOptions)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool = True
-    response_format: dict[str, Any] | None = None
-    structured_outputs: dict[str, Any] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    # The client's request body as it was sent (validated by the gateway): an engine that speaks
+    # the API itself, as vLLM does, reads every field from here.
+    body: dict[str, Any] = field(default_factory=dict)
+    params: SamplingOptions = field(default_factory=SamplingOptions)  # the gateway's reading of `body`
     cancel_id: str | None = None
     v: int = WIRE_VERSION
     queue_deadline: float = 0.0  # wall-clock seconds; a worker drops the request unstarted after it
@@ -127,7 +126,7 @@ class RequestEnvelope:
             raise EnvelopeError(f"malformed RequestEnvelope: {exc}") from exc
         if not isinstance(envelope.request_id, str) or not isinstance(envelope.reply_to, str):
             raise EnvelopeError("request_id and reply_to must be strings")
-        if envelope.kind not in ("chat", "completion"):
+        if envelope.kind not in ("chat", "completion", "tokenize", "detokenize"):
             raise EnvelopeError(f"unknown request kind {envelope.kind!r}")
         return envelope
 
@@ -157,13 +156,14 @@ class Candidate:
     """One whole choice of a non-streaming request."""
 
     index: int
-    text: str = ""
+    text: str | None = ""  # None: no content (a tool call, or all reasoning)
     reasoning: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
-    logprobs: list[TokenLogprob] | None = None
+    logprobs: Logprobs | None = None
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     completion_tokens: int = 0
+    prompt_logprobs: list[Any] | None = None  # completions with echo and logprobs, as vLLM gives them
 
 
 @dataclass(slots=True)
@@ -177,10 +177,10 @@ class GenerationChunk:
     """
 
     choice_index: int = 0
-    text: str = ""
+    text: str | None = ""  # None: this delta carries no content (only reasoning, a tool call, or nothing)
     reasoning: str = ""
     tool_calls: list[ToolCallDelta] | None = None
-    logprobs: list[TokenLogprob] | None = None
+    logprobs: Logprobs | None = None
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     done: bool = False
@@ -189,11 +189,32 @@ class GenerationChunk:
     first_token: bool = False  # the first chunk carrying generated output (TTFT)
     candidates: list[Candidate] | None = None
     token_count: int = 0  # generated tokens this delta stands for
+    system_fingerprint: str | None = None  # the engine's, on finishing chunks
+    result: dict[str, Any] | None = None  # terminal only: a whole response that is not a generation (tokenize)
+    prompt_token_ids: list[int] | None = None  # on the first delta, where the engine's server sends them (echo)
 
     @property
     def is_delta_only(self) -> bool:
         """True when the chunk is plain text/logprobs that may merge with its neighbour."""
         return not (self.tool_calls or self.finish_reason or self.done or self.error or self.candidates)
+
+    def can_absorb(self, other: GenerationChunk) -> bool:
+        """True when `other`, the next delta of the same choice, reads as part of this one."""
+        return (self.is_delta_only and other.is_delta_only and self.choice_index == other.choice_index
+                and (self.text is None) == (other.text is None) and bool(self.reasoning) == bool(other.reasoning)
+                and type(self.logprobs) is type(other.logprobs))
+
+    def absorb(self, other: GenerationChunk) -> None:
+        """Append the next delta (see `can_absorb`) to this one."""
+        if self.text is not None:
+            self.text += other.text
+        self.reasoning += other.reasoning
+        self.token_count += other.token_count
+        if isinstance(self.logprobs, list):
+            self.logprobs.extend(other.logprobs)
+        elif isinstance(self.logprobs, dict):
+            for key, values in other.logprobs.items():
+                self.logprobs.setdefault(key, []).extend(values)
 
     def to_wire(self) -> dict[str, Any]:
         out = _compact(self)

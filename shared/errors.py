@@ -28,21 +28,27 @@ class ErrorInfo:
     message: str
     status: int = 500
     param: str | None = None
+    type: str | None = None  # the engine server's own error type, when it gave one ("Bad Request")
+    in_stream: bool = False  # raised after the stream began: the client gets 200, then an error event
 
 
 class FleetError(Exception):
     status: int = 500
     code: str = "internal_error"
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 err_type: str | None = None, in_stream: bool = False):
         super().__init__(message)
         self.message = message
         self.param = param
+        self.err_type = err_type  # overrides the type named after the status
+        self.in_stream = in_stream
         if code is not None:
             self.code = code
 
     def to_info(self) -> ErrorInfo:
-        return ErrorInfo(code=self.code, message=self.message, status=self.status, param=self.param)
+        return ErrorInfo(code=self.code, message=self.message, status=self.status, param=self.param,
+                         type=self.err_type, in_stream=self.in_stream)
 
 
 class InvalidRequest(FleetError):
@@ -93,6 +99,6 @@ _BY_STATUS: dict[int, type[FleetError]] = {
 def error_from_info(info: ErrorInfo) -> FleetError:
     """Rebuild the exception a worker reported, keeping its code and status."""
     cls = _BY_STATUS.get(info.status, EngineError)
-    error = cls(info.message, param=info.param, code=info.code)
+    error = cls(info.message, param=info.param, code=info.code, err_type=info.type, in_stream=info.in_stream)
     error.status = info.status
     return error

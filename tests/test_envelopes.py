@@ -20,13 +20,30 @@ from shared.errors import EnvelopeError, ErrorInfo, InvalidRequest, error_from_i
 
 def _request(**overrides) -> RequestEnvelope:
     fields = dict(request_id="r1", model="m", kind="chat", reply_to="llmfleet:replies:g", arrival=1.5,
-                  messages=[{"role": "user", "content": "hi"}], params=SamplingOptions(max_tokens=7, n=2))
+                  body={"messages": [{"role": "user", "content": "hi"}]}, params=SamplingOptions(max_tokens=7, n=2))
     return RequestEnvelope(**{**fields, **overrides})
 
 
 def test_request_round_trip():
-    request = _request(tools=[{"type": "function", "function": {"name": "f"}}], cancel_id="c")
+    request = _request(body={"messages": [], "tools": [{"type": "function", "function": {"name": "f"}}]},
+                       cancel_id="c")
     assert decode(RequestEnvelope, encode(request)) == request
+
+
+def test_null_content_survives_the_wire():
+    """A delta with no content (a tool call) is told apart from an empty text delta."""
+    for text in (None, ""):
+        chunk = GenerationChunk(text=text, tool_calls=[ToolCallDelta(0, "id", "fn")])
+        assert decode(ChunkEnvelope, encode(ChunkEnvelope("r", 0, [chunk]))).chunks[0].text == text
+
+
+def test_only_deltas_of_one_kind_merge():
+    text, reasoning = GenerationChunk(text="a", token_count=1), GenerationChunk(text=None, reasoning="r")
+    assert text.can_absorb(GenerationChunk(text="b", token_count=1))
+    assert not text.can_absorb(reasoning) and not reasoning.can_absorb(text)
+    lists = GenerationChunk(logprobs={"tokens": ["a"], "text_offset": [0]})
+    lists.absorb(GenerationChunk(logprobs={"tokens": ["b"], "text_offset": [1]}))
+    assert lists.logprobs == {"tokens": ["a", "b"], "text_offset": [0, 1]}
 
 
 def test_chunk_round_trip_with_every_field():
@@ -35,6 +52,7 @@ def test_chunk_round_trip_with_every_field():
         logprobs=[{"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": []}], finish_reason="stop",
         stop_reason="x", done=True, usage=Usage(3, 4), error=ErrorInfo("c", "m", 400, "p"), first_token=True,
         candidates=[Candidate(0, "t", tool_calls=[ToolCallDelta(0, "i", "n", "a")])], token_count=2,
+        system_fingerprint="fp", result={"tokens": [1]},
     )
     envelope = ChunkEnvelope("r1", 3, [chunk], "w1")
     assert decode(ChunkEnvelope, encode(envelope)) == envelope
@@ -73,6 +91,8 @@ def test_bad_request_kind_is_refused():
 
 
 def test_errors_survive_the_wire():
-    error = error_from_info(InvalidRequest("too long", param="input_tokens").to_info())
+    error = error_from_info(InvalidRequest("too long", param="input_tokens", err_type="Bad Request",
+                                           in_stream=True).to_info())
     assert isinstance(error, InvalidRequest)
     assert (error.status, error.param, error.message) == (400, "input_tokens", "too long")
+    assert (error.err_type, error.in_stream) == ("Bad Request", True)

@@ -1,7 +1,9 @@
 """Fold a stream of generation chunks into whole candidates, for non-streaming requests.
 
 The worker runs every request through the same streaming path; a non-streaming request is
-this fold over it, published as one terminal chunk. The gateway never aggregates.
+this fold over it, published as one terminal chunk. The gateway never aggregates. An adapter
+whose engine builds whole responses itself (vLLM parses tool calls differently in whole
+responses) sends a terminal chunk that already holds its candidates; it passes as it is.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ class CandidateBuilder:
         self.completion_tokens = 0
 
     def add(self, chunk: GenerationChunk) -> None:
-        self.text.append(chunk.text)
+        self.text.append(chunk.text or "")
         self.reasoning.append(chunk.reasoning)
         self.completion_tokens += chunk.token_count
         if chunk.logprobs is not None:
@@ -61,6 +63,8 @@ async def collect_candidates(chunks: AsyncIterator[GenerationChunk], n: int) -> 
         first_token = first_token or chunk.first_token
         if chunk.choice_index < n:
             builders[chunk.choice_index].add(chunk)
+        if chunk.done and (chunk.candidates is not None or chunk.result is not None):
+            return chunk
         if chunk.done:
             return GenerationChunk(
                 done=True,

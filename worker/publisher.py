@@ -40,19 +40,8 @@ class _Outbox:
 def _coalesce(chunks: list[GenerationChunk]) -> list[GenerationChunk]:
     merged: list[GenerationChunk] = []
     for chunk in chunks:
-        last = merged[-1] if merged else None
-        if (
-            last is not None
-            and last.is_delta_only
-            and chunk.is_delta_only
-            and last.choice_index == chunk.choice_index
-            and (last.logprobs is None) == (chunk.logprobs is None)
-        ):
-            last.text += chunk.text
-            last.reasoning += chunk.reasoning
-            last.token_count += chunk.token_count
-            if chunk.logprobs is not None:
-                last.logprobs.extend(chunk.logprobs)
+        if merged and merged[-1].can_absorb(chunk):
+            merged[-1].absorb(chunk)
         else:
             merged.append(chunk)
     return merged

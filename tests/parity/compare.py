@@ -1,0 +1,181 @@
+"""Compare two servers' answers to the same request, field by field.
+
+Ignored: response ids, `created` timestamps and tool-call ids (random on both sides; whether an
+id is present is still compared). Everything else must be equal.
+
+Non-streaming answers are compared as whole JSON documents. A stream is compared as what a
+client makes of it, plus its shape: per choice, the joined text, reasoning, tool calls merged by
+index, logprob entries, finish and stop reasons; the final usage chunk; and the set of chunk
+shapes (which keys each kind of chunk carries, and which are null). Where one delta ends and the
+next begins is not compared: vLLM sends one engine step per chunk, llmfleet may merge steps
+that arrive together, and clients join deltas either way.
+
+An error is compared by status, `type` and `param`; its message is reported, not required.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+ID = "<id>"
+
+
+@dataclass
+class Answer:
+    status: int
+    body: Any  # parsed JSON, or the list of SSE data payloads of a stream
+    stream: bool
+
+
+def parse_sse(text: str) -> list[Any]:
+    """The `data:` payloads of an SSE body, JSON-decoded except the final `[DONE]`."""
+    events = []
+    for line in text.splitlines():
+        if line.startswith("data: "):
+            payload = line[6:]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def _scrub(obj: Any, top: bool = True) -> Any:
+    """A copy without ids and timestamps."""
+    if isinstance(obj, dict):
+        out = {}
+        for key, value in obj.items():
+            if top and key in ("id", "created"):
+                continue
+            if key == "tool_calls" and isinstance(value, list):
+                value = [{**call, "id": ID if call.get("id") else call.get("id")} if isinstance(call, dict)
+                         else call for call in value]
+            out[key] = _scrub(value, top=False)
+        return out
+    if isinstance(obj, list):
+        return [_scrub(v, top=False) for v in obj]
+    return obj
+
+
+def _shape(chunk: dict[str, Any]) -> str:
+    """Which keys a chunk carries, and which of them are null."""
+    def keys(d: dict) -> str:
+        return ",".join(f"{k}{'=null' if v is None else ''}" for k, v in sorted(d.items()))
+    parts = [keys({k: v for k, v in chunk.items() if k not in ("choices",)})]
+    for choice in chunk.get("choices") or ():
+        parts.append("choice:" + keys({k: v for k, v in choice.items() if k not in ("delta", "index")}))
+        if "delta" in choice:
+            parts.append("delta:" + keys(choice["delta"]))
+    if not chunk.get("choices"):
+        parts.append("no choices")
+    return " | ".join(parts)
+
+
+def stream_view(events: list[Any]) -> dict[str, Any]:
+    """What a client makes of a stream, and the shapes of its chunks."""
+    chunks = [e for e in events if isinstance(e, dict)]
+    errors = [c["error"] for c in chunks if "error" in c]
+    choices: dict[int, dict[str, Any]] = {}
+    usage = None
+    for chunk in chunks:
+        if "error" in chunk:
+            continue
+        if not chunk.get("choices") and "usage" in chunk:
+            usage = chunk["usage"]
+        for choice in chunk.get("choices") or ():
+            view = choices.setdefault(choice["index"], {"text": "", "content": None, "reasoning": None,
+                                                        "role": None, "tool_calls": {}, "logprobs": None,
+                                                        "finish_reason": None, "stop_reason": None,
+                                                        "usage_at_finish": None})
+            _merge_choice(view, choice, chunk.get("usage"))
+    for view in choices.values():
+        view["tool_calls"] = [view["tool_calls"][i] for i in sorted(view["tool_calls"])]
+    return {
+        "ends_with_done": bool(events) and events[-1] == "[DONE]",
+        "errors": [_error_view(e, 200) for e in errors],
+        "choices": [choices[i] for i in sorted(choices)],
+        "usage": usage,
+        "first_chunk": _shape(chunks[0]) if chunks else None,
+        "shapes": sorted({_shape(c) for c in chunks}),
+    }
+
+
+def _merge_choice(view: dict[str, Any], choice: dict[str, Any], usage: dict | None) -> None:
+    if "text" in choice:
+        view["text"] += choice["text"] or ""
+    delta = choice.get("delta") or {}
+    view["role"] = delta.get("role", view["role"])
+    for key in ("content", "reasoning"):
+        if delta.get(key) is not None:
+            view[key] = (view[key] or "") + delta[key]
+    for call in delta.get("tool_calls") or ():
+        merged = view["tool_calls"].setdefault(call["index"], {"has_id": False, "type": None, "name": None,
+                                                               "arguments": ""})
+        merged["has_id"] = merged["has_id"] or bool(call.get("id"))
+        merged["type"] = call.get("type") or merged["type"]
+        function = call.get("function") or {}
+        merged["name"] = function.get("name") or merged["name"]
+        merged["arguments"] += function.get("arguments") or ""
+    logprobs = choice.get("logprobs")
+    if logprobs is not None:
+        if "content" in logprobs:  # chat
+            view["logprobs"] = (view["logprobs"] or []) + (logprobs["content"] or [])
+        else:  # completions: parallel lists
+            merged = view["logprobs"] or {}
+            for key, values in logprobs.items():
+                merged[key] = merged.get(key, []) + (values or [])
+            view["logprobs"] = merged
+    if choice.get("finish_reason") is not None:
+        view["finish_reason"] = choice["finish_reason"]
+        view["stop_reason"] = choice.get("stop_reason")
+        view["usage_at_finish"] = usage
+
+
+def _error_view(error: Any, status: int) -> dict[str, Any]:
+    error = error.get("error", error) if isinstance(error, dict) else {"message": str(error)}
+    return {"status": status, "type": error.get("type"), "param": error.get("param"),
+            "code": error.get("code")}
+
+
+def view(answer: Answer) -> Any:
+    """The comparable form of an answer."""
+    if answer.status != 200:
+        return _error_view(answer.body, answer.status)
+    if answer.stream:
+        return stream_view(answer.body)
+    return _scrub(answer.body)
+
+
+def differences(expected: Any, actual: Any, path: str = "") -> list[str]:
+    """Paths where `actual` differs from `expected`, with both values."""
+    if isinstance(expected, dict) and isinstance(actual, dict):
+        out = []
+        for key in sorted(set(expected) | set(actual), key=str):
+            if key not in actual:
+                out.append(f"{path}.{key}: missing (vllm: {_short(expected[key])})")
+            elif key not in expected:
+                out.append(f"{path}.{key}: extra ({_short(actual[key])})")
+            else:
+                out += differences(expected[key], actual[key], f"{path}.{key}")
+        return out
+    if isinstance(expected, list) and isinstance(actual, list) and len(expected) == len(actual):
+        return [d for i, (e, a) in enumerate(zip(expected, actual, strict=True))
+                for d in differences(e, a, f"{path}[{i}]")]
+    if expected != actual or type(expected) is not type(actual):
+        return [f"{path or '.'}: vllm {_short(expected)} != llmfleet {_short(actual)}"]
+    return []
+
+
+def error_message(answer: Answer) -> str | None:
+    body = answer.body
+    if answer.status != 200 and isinstance(body, dict):
+        return (body.get("error") or {}).get("message")
+    if answer.stream:
+        for event in body:
+            if isinstance(event, dict) and "error" in event:
+                return event["error"].get("message")
+    return None
+
+
+def _short(value: Any, limit: int = 160) -> str:
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= limit else text[:limit] + "…"

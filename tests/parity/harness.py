@@ -1,0 +1,205 @@
+"""Start `vllm serve` and llmfleet side by side on the tiny model, send the battery, compare.
+
+Two server pairs, one per profile, each pair with the same engine options:
+  tools: --enable-auto-tool-choice --tool-call-parser hermes
+  think: --reasoning-parser deepseek_r1
+`python -m tests.parity` runs it alone and prints the table; tests/test_parity.py runs it in CI.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import inspect
+import json
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import openai
+
+from tests.parity.battery import MAX_MODEL_LEN, THINK_MODEL, TOOLS_MODEL, Case, build
+from tests.parity.compare import Answer, differences, error_message, parse_sse, view
+from tests.procs import (
+    LOG_DIR,
+    Proc,
+    free_port,
+    spawn,
+    start_gateway,
+    start_redis,
+    start_worker,
+    wait_for,
+    wait_until_served,
+)
+
+ENGINE_OPTIONS = ["--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--dtype", "float32"]
+PROFILES = {
+    "tools": (TOOLS_MODEL, ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]),
+    "think": (THINK_MODEL, ["--reasoning-parser", "deepseek_r1"]),
+}
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+@dataclass
+class Servers:
+    vllm: dict[str, str] = field(default_factory=dict)  # profile -> base URL of `vllm serve`
+    fleet: str = ""  # the llmfleet gateway, serving every profile's model
+
+
+def _start_vllm_serve(model_dir: str, name: str, options: list[str]) -> Proc:
+    port = free_port()
+    proc = spawn(f"vllm-serve-{name}", [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+        "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port), *ENGINE_OPTIONS, *options,
+    ], ENGINE_ENV)
+    proc.url = f"http://127.0.0.1:{port}"
+    return proc
+
+
+def _wait_healthy(proc: Proc) -> None:
+    def healthy():
+        if not proc.alive():
+            raise RuntimeError(f"{proc.name} exited:\n{proc.log()[-4000:]}")
+        try:
+            return httpx.get(f"{proc.url}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+    wait_for(healthy, 300, f"{proc.name} to be healthy", interval=0.5)
+
+
+@contextlib.contextmanager
+def running_servers(model_dir: str, redis_url: str | None = None) -> Iterator[Servers]:
+    """Both servers for every profile; everything started here is stopped here, by PID."""
+    procs: list[Proc] = []
+    try:
+        serves = {profile: _start_vllm_serve(model_dir, name, options)
+                  for profile, (name, options) in PROFILES.items()}
+        procs += serves.values()
+        if redis_url is None:
+            redis = start_redis()
+            procs.append(redis)
+            redis_url = redis.url
+        for name, options in PROFILES.values():
+            procs.append(start_worker(redis_url, model_dir, *ENGINE_OPTIONS, *options, engine="vllm",
+                                      served_name=name, env=ENGINE_ENV, timeout=300))
+        gateway = start_gateway(redis_url)
+        procs.append(gateway)
+        for proc in serves.values():
+            _wait_healthy(proc)
+        for name, _ in PROFILES.values():
+            wait_until_served(gateway, name)
+        yield Servers({profile: proc.url for profile, proc in serves.items()}, gateway.url)
+    finally:
+        for proc in reversed(procs):
+            proc.stop(timeout=60)
+
+
+def send(client: httpx.Client, base_url: str, case: Case) -> Answer:
+    if isinstance(case.body, bytes):
+        response = client.post(base_url + case.path, content=case.body,
+                               headers={"content-type": "application/json"})
+    else:
+        response = client.post(base_url + case.path, json=case.body)
+    if case.stream and response.status_code == 200:
+        return Answer(200, parse_sse(response.text), True)
+    try:
+        body = response.json()
+    except ValueError:
+        body = {"error": {"message": response.text}}
+    return Answer(response.status_code, body, case.stream)
+
+
+def sdk_problems(case: Case, base_url: str) -> list[str]:
+    """Send a valid chat/completions case again with the official openai SDK and read all of it."""
+    if case.invalid or case.path not in ("/v1/chat/completions", "/v1/completions"):
+        return []
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    create = client.chat.completions.create if case.path == "/v1/chat/completions" else client.completions.create
+    known = set(inspect.signature(create).parameters)
+    kwargs = {k: v for k, v in case.body.items() if k in known}
+    extra = {k: v for k, v in case.body.items() if k not in known}
+    try:
+        result = create(**kwargs, extra_body=extra or None)
+        for item in (result if case.stream else [result]):
+            item.model_dump()
+            for choice in item.choices:
+                (choice.delta if case.stream and hasattr(choice, "delta") else choice).model_dump()
+    except Exception as exc:  # noqa: BLE001 - whatever the SDK raises is the finding
+        return [f"openai SDK: {type(exc).__name__}: {exc}"]
+    return []
+
+
+@dataclass
+class Result:
+    case: Case
+    diffs: list[str]
+    notes: list[str]
+
+    @property
+    def identical(self) -> bool:
+        return not self.diffs
+
+
+def run_battery(servers: Servers, cases: list[Case] | None = None) -> list[Result]:
+    results = []
+    cases = cases or build()
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    answers = open(LOG_DIR / "parity-answers.jsonl", "w")  # noqa: SIM115 - closed below
+    with answers, httpx.Client(timeout=120) as client:
+        for i, case in enumerate(cases, 1):
+            expected = send(client, servers.vllm[case.profile], case)
+            actual = send(client, servers.fleet, case)
+            diffs = differences(view(expected), view(actual)) + sdk_problems(case, servers.fleet)
+            answers.write(json.dumps({"case": case.name, "vllm": [expected.status, expected.body],
+                                      "llmfleet": [actual.status, actual.body]}) + "\n")
+            notes = []
+            if case.invalid and expected.status == 200 and not expected.stream:
+                notes.append("vllm accepted this request")
+            if error_message(expected) != error_message(actual):
+                notes.append(f"messages: vllm {error_message(expected)!r} / llmfleet {error_message(actual)!r}")
+            results.append(Result(case, diffs, notes))
+            sys.stderr.write(f"\rparity: {i}/{len(cases)}" + ("\n" if i == len(cases) else ""))
+    return results
+
+
+def summary(results: list[Result]) -> str:
+    by_feature: dict[str, list[Result]] = collections.defaultdict(list)
+    for result in results:
+        by_feature[result.case.feature].append(result)
+    lines = ["| feature | requests | identical | differing |", "|---|---|---|---|"]
+    for feature, group in by_feature.items():
+        same = sum(r.identical for r in group)
+        lines.append(f"| {feature} | {len(group)} | {same} | {len(group) - same} |")
+    same = sum(r.identical for r in results)
+    lines.append(f"| **all** | {len(results)} | {same} ({100 * same / len(results):.0f}%) | {len(results) - same} |")
+    return "\n".join(lines)
+
+
+def details(results: list[Result]) -> str:
+    out = []
+    for r in results:
+        if r.diffs:
+            out.append(f"- {r.case.feature} / {r.case.name}:")
+            out += [f"    {d}" for d in r.diffs[:12]]
+    return "\n".join(out)
+
+
+def main() -> int:
+    from worker.tiny_model import write_tiny_model
+
+    cases = build()
+    if len(sys.argv) > 1:
+        cases = [c for c in cases if any(word in f"{c.feature} {c.name}" for word in sys.argv[1:])]
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = str(write_tiny_model(Path(tmp) / "tiny"))
+        sys.stderr.write("starting vllm serve and llmfleet for each profile (about a minute)...\n")
+        with running_servers(model_dir) as servers:
+            results = run_battery(servers, cases)
+    report = summary(results) + "\n\n" + details(results)
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    (LOG_DIR / "parity-report.md").write_text(report + "\n")
+    print(report)
+    return 0 if all(r.identical for r in results) else 1
