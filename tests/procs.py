@@ -100,21 +100,25 @@ def start_redis(port: int | None = None) -> Proc:
     return proc
 
 
+def wait_until_answers(proc: Proc, path: str, timeout: float) -> None:
+    """Poll GET `proc.url + path` until it answers 200; fail at once if the process exits."""
+    def answers():
+        if not proc.alive():
+            raise RuntimeError(f"{proc.name} exited:\n{proc.log()[-4000:]}")
+        try:
+            return httpx.get(f"{proc.url}{path}", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(answers, timeout, f"{proc.name} to answer {path}", interval=0.2)
+
+
 def start_gateway(redis_url: str, *args: str, env: dict[str, str] | None = None) -> Proc:
     port = free_port()
     proc = spawn("gateway", [sys.executable, "-m", "llmfleet", "gateway", "--host", "127.0.0.1", "--port",
                               str(port), "--redis-url", redis_url, *args], env)
     proc.url = f"http://127.0.0.1:{port}"
-
-    def healthy():
-        if not proc.alive():
-            raise RuntimeError(f"gateway exited:\n{proc.log()}")
-        try:
-            return httpx.get(f"{proc.url}/ready", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_for(healthy, 30, "the gateway to be ready")
+    wait_until_answers(proc, "/ready", 30)
     return proc
 
 

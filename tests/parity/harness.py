@@ -31,7 +31,7 @@ from tests.procs import (
     start_gateway,
     start_redis,
     start_worker,
-    wait_for,
+    wait_until_answers,
     wait_until_served,
 )
 
@@ -59,17 +59,6 @@ def _start_vllm_serve(model_dir: str, name: str, options: list[str]) -> Proc:
     return proc
 
 
-def _wait_healthy(proc: Proc) -> None:
-    def healthy():
-        if not proc.alive():
-            raise RuntimeError(f"{proc.name} exited:\n{proc.log()[-4000:]}")
-        try:
-            return httpx.get(f"{proc.url}/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-    wait_for(healthy, 300, f"{proc.name} to be healthy", interval=0.5)
-
-
 @contextlib.contextmanager
 def running_servers(model_dir: str, redis_url: str | None = None) -> Iterator[Servers]:
     """Both servers for every profile; everything started here is stopped here, by PID."""
@@ -88,7 +77,7 @@ def running_servers(model_dir: str, redis_url: str | None = None) -> Iterator[Se
         gateway = start_gateway(redis_url)
         procs.append(gateway)
         for proc in serves.values():
-            _wait_healthy(proc)
+            wait_until_answers(proc, "/health", 300)
         for name, _ in PROFILES.values():
             wait_until_served(gateway, name)
         yield Servers({profile: proc.url for profile, proc in serves.items()}, gateway.url)
