@@ -159,11 +159,15 @@ def test_stale_cancel_id_touches_no_later_run(gateways, slow_worker):
     assert second.json()["choices"][0]["finish_reason"] == "length"
 
 
-@pytest.mark.parametrize("body", [{}, {"cancel_id": ""}, {"unrelated": 1}])
-def test_an_empty_cancel_is_a_400(gateways, body):
+@pytest.mark.parametrize("body, error_type", [
+    ({}, "BadRequestError"),  # the rule "give cancel_id or id"
+    ({"cancel_id": ""}, "Bad Request"),  # a schema error
+    ({"unrelated": 1}, "BadRequestError"),
+])
+def test_an_empty_cancel_is_a_400(gateways, body, error_type):
     response = httpx.post(f"{gateways[0].url}/v1/cancel", json=body)
     assert response.status_code == 400
-    assert response.json()["error"]["type"] == "Bad Request"
+    assert response.json()["error"]["type"] == error_type
 
 
 def test_queue_timeout_is_a_clear_503(gateways, slow_worker):
