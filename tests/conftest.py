@@ -80,7 +80,9 @@ def vllm_stack(redis_url: str, tiny_model_dir: str):
     engine_options = ["--max-model-len", "2048", "--enforce-eager", "--dtype", "float32"]
     worker = start_worker(redis_url, tiny_model_dir, *engine_options, "--max-concurrency", str(VLLM_SLOTS),
                           engine="vllm", served_name="tiny", env={"VLLM_CPU_KVCACHE_SPACE": "1"}, timeout=240)
-    gateway = start_gateway(redis_url)
+    # A vLLM worker that replaces a dead one takes ~30 s to start, far more on a loaded machine:
+    # leave its queued requests time to wait for it.
+    gateway = start_gateway(redis_url, "--queue-timeout", "300")
     wait_until_served(gateway, "tiny")
     yield VLLMStack(gateway, worker, "tiny", tiny_model_dir)
     gateway.stop()

@@ -137,7 +137,7 @@ def run_battery(servers: Servers, cases: list[Case] | None = None) -> list[Resul
     cases = cases or build()
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     answers = open(LOG_DIR / "parity-answers.jsonl", "w")  # noqa: SIM115 - closed below
-    with answers, httpx.Client(timeout=120) as client:
+    with answers, httpx.Client(timeout=300) as client:  # generous: CI machines are slow and shared
         for i, case in enumerate(cases, 1):
             expected = send(client, servers.vllm[case.profile], case)
             actual = send(client, servers.fleet, case)
