@@ -1,11 +1,13 @@
 """Relay throughput of one gateway process, against a bare SSE server measured in the same run.
 
-Both serve the same 16-token chat streams to the same load (concurrent openai-style SSE
-clients on loopback). The baseline is uvicorn streaming the tokens itself: no Redis, no worker,
-so it is the floor of HTTP + SSE cost on this machine. llmfleet adds the queue: gateway →
-Redis → scripted worker (no pacing) → Redis → gateway. The ratio is what the queue costs.
+Both serve the same 16-token chat streams to the same load (concurrent SSE clients on
+loopback, `bench.loadgen`). The baseline is uvicorn streaming the tokens itself: no Redis, no
+worker, so it is the floor of HTTP + SSE cost on this machine. llmfleet adds the queue:
+gateway → Redis → scripted worker (no pacing) → Redis → gateway. The ratio is what the queue
+costs. With `--before REF`, llmfleet as of git revision REF runs too (its own Redis, worker and
+gateway from `git archive REF`): before/after figures of a hot-path change, from one run.
 
-    python -m bench.relay_throughput [--seconds 15] [--concurrency 64]
+    python -m bench.relay_throughput [--seconds 15] [--concurrency 64] [--before REF]
 
 Writes bench/results/relay_throughput.json and .png and prints a markdown table.
 """
@@ -13,128 +15,154 @@ Writes bench/results/relay_throughput.json and .png and prints a markdown table.
 from __future__ import annotations
 
 import argparse
-import asyncio
+import contextlib
 import json
-import os
+import subprocess
 import sys
+import tempfile
 import time
-from pathlib import Path
+from typing import Self
 
-import httpx
+import uvloop
 
-from bench.common import RESULTS, percentile
-from tests.procs import free_port, spawn, start_gateway, start_redis, start_worker, wait_for, wait_until_served
+from bench.common import RESULTS, ROOT, cpu_seconds, plot_bars
+from bench.loadgen import Target, closed_loop, summarize
+from tests.procs import (
+    Proc,
+    free_port,
+    spawn,
+    start_gateway,
+    start_redis,
+    start_worker,
+    wait_until_answers,
+    wait_until_served,
+)
 
 TOKENS = 16
-WORDS = "one two three four"
+MODEL = "relay"
+BODY = {"model": MODEL, "messages": [{"role": "user", "content": "one two three four"}], "max_tokens": TOKENS,
+        "stream": True}
 
 
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def measure(name: str, url: str, pid: int, seconds: float, concurrency: int) -> dict:
+    """Closed-loop load on one server; rates, TTFT and the server process's CPU per request."""
+    sys.stderr.write(f"  {name}: {seconds:.0f}s at concurrency {concurrency}...\n")
+    target = Target(url, "/v1/chat/completions", BODY)
+    uvloop.run(closed_loop(target, concurrency, 1.0))  # warm-up: connections, first-request costs
+    cpu_before = cpu_seconds(pid)
+    results, elapsed = uvloop.run(closed_loop(target, concurrency, seconds))
+    cpu = cpu_seconds(pid) - cpu_before
+    summary = summarize(results, elapsed, expected_tokens=TOKENS)
+    summary.update(name=name, concurrency=concurrency,
+                   server_cpu_ms_per_request=1000 * cpu / max(summary["requests"], 1),
+                   server_cpu_ms_per_token=1000 * cpu / max(summary["tokens"], 1),
+                   server_cpu_share=cpu / elapsed)
+    return summary
 
 
-async def _load(url: str, model: str, seconds: float, concurrency: int) -> dict:
-    body = {"model": model, "messages": [{"role": "user", "content": WORDS}], "max_tokens": TOKENS, "stream": True}
-    ttfts: list[float] = []
-    done = errors = tokens = 0
-    until = time.monotonic() + seconds
+class Fleet:
+    """Redis, one unpaced scripted worker and one gateway; from this tree or from `source`."""
 
-    async def client_loop(client: httpx.AsyncClient) -> None:
-        nonlocal done, errors, tokens
-        while time.monotonic() < until:
-            started = time.monotonic()
-            first = None
-            text = ""
-            async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
-                async for line in response.aiter_lines():
-                    if line.startswith("data: {"):
-                        for choice in json.loads(line[6:])["choices"]:
-                            content = choice["delta"].get("content")
-                            if content:
-                                first = first or time.monotonic()
-                                text += content
-            if len(text.split()) == TOKENS:
-                done += 1
-                tokens += TOKENS
-                ttfts.append((first - started) * 1000)
-            else:
-                errors += 1
+    def __init__(self, source: str | None = None, *gateway_args: str, worker_args: tuple[str, ...] = ()):
+        env = {"PYTHONSAFEPATH": "1", "PYTHONPATH": source} if source else None
+        self.redis = start_redis()
+        self.procs: list[Proc] = [self.redis]
+        try:
+            self.procs.append(start_worker(self.redis.url, MODEL, "--max-concurrency", "20000", *worker_args,
+                                           env=env))
+            self.gateway = start_gateway(self.redis.url, *gateway_args, env=env)
+            self.procs.append(self.gateway)
+            wait_until_served(self.gateway, MODEL)
+        except BaseException:
+            self.stop()
+            raise
 
-    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=concurrency)) as client:
-        await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
-    return {"requests": done, "errors": errors, "tokens": tokens, "ttft_p50_ms": percentile(ttfts, 50),
-            "ttft_p99_ms": percentile(ttfts, 99)}
+    @property
+    def url(self) -> str:
+        return self.gateway.url
 
+    @property
+    def pid(self) -> int:
+        return self.gateway.pid
 
-def _measure(name: str, url: str, model: str, pid: int, seconds: float, concurrency: int) -> dict:
-    sys.stderr.write(f"{name}: {seconds:.0f}s at concurrency {concurrency}...\n")
-    cpu_before, started = _cpu_seconds(pid), time.monotonic()
-    result = asyncio.run(_load(url, model, seconds, concurrency))
-    elapsed = time.monotonic() - started
-    cpu = _cpu_seconds(pid) - cpu_before
-    result.update(name=name, requests_per_s=result["requests"] / elapsed, tokens_per_s=result["tokens"] / elapsed,
-                  server_cpu_ms_per_request=1000 * cpu / max(result["requests"], 1))
-    return result
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            proc.stop()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
+@contextlib.contextmanager
+def source_tree(ref: str):
+    """The files of git revision `ref` in a temporary directory (no change to this checkout)."""
+    with tempfile.TemporaryDirectory(prefix="llmfleet-before-") as directory:
+        archive = subprocess.run(["git", "archive", ref], cwd=ROOT, check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", directory], input=archive, check=True)
+        yield directory
+
+
+@contextlib.contextmanager
+def baseline_server():
+    port = free_port()
+    proc = spawn("baseline-sse", [sys.executable, "-m", "bench.baseline_sse", str(port)])
+    try:
+        proc.url = f"http://127.0.0.1:{port}"
+        wait_until_answers(proc, "/health", 20)
+        yield proc
+    finally:
+        proc.stop()
+
+
+def run(seconds: float, concurrency: int, before: str | None = None) -> dict:
+    rows = []
+    with baseline_server() as baseline:
+        rows.append(measure("baseline: bare SSE server", baseline.url, baseline.pid, seconds, concurrency))
+    if before:
+        with source_tree(before) as source, Fleet(source) as fleet:
+            rows.append(measure(f"llmfleet before ({before})", fleet.url, fleet.pid, seconds, concurrency))
+    with Fleet() as fleet:
+        rows.append(measure("llmfleet: gateway + Redis + worker", fleet.url, fleet.pid, seconds, concurrency))
+    for row in rows:
+        row["ratio_to_baseline"] = row["requests_per_s"] / rows[0]["requests_per_s"]
+    return {"tokens_per_stream": TOKENS, "concurrency": concurrency, "seconds": seconds, "before": before,
+            "measured_at": time.strftime("%Y-%m-%d %H:%M"), "rows": rows}
+
+
+def table(result: dict) -> str:
+    lines = [("| server | req/s | tokens/s | TTFT p50 (ms) | TTFT p99 (ms) | server CPU ms/req | errors | "
+             "req/s ratio |"), "|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['name']} | {r['requests_per_s']:.0f} | {r['tokens_per_s']:.0f} | {r['ttft_p50_ms']:.1f} "
+                     f"| {r['ttft_p99_ms']:.1f} | {r['server_cpu_ms_per_request']:.2f} | {r['errors']} | "
+                     f"{r['ratio_to_baseline']:.2f} |")
+    return "\n".join(lines)
+
+
+def plot(result: dict) -> None:
+    names = [r["name"].split(":")[0] for r in result["rows"]]
+    plot_bars(RESULTS / "relay_throughput.png", names, {
+        "requests/s": [r["requests_per_s"] for r in result["rows"]],
+        "server CPU ms/request": [r["server_cpu_ms_per_request"] for r in result["rows"]],
+        "TTFT p99 (ms)": [r["ttft_p99_ms"] for r in result["rows"]],
+    })
+
+
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=15)
     parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--before", help="also measure llmfleet as of this git revision")
     args = parser.parse_args(argv)
-    port = free_port()
-    baseline = spawn("baseline-sse", [sys.executable, "-m", "bench.baseline_sse", str(port)])
-    redis = start_redis()
-    worker = start_worker(redis.url, "relay", "--max-concurrency", "256")
-    gateway = start_gateway(redis.url)
-    try:
-        wait_until_served(gateway, "relay")
-        base_url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: _answers(base_url), 20, "the baseline server")
-        results = [_measure("baseline: bare SSE server", base_url, "relay", baseline.pid, args.seconds,
-                            args.concurrency),
-                   _measure("llmfleet: gateway + Redis + worker", gateway.url, "relay", gateway.pid, args.seconds,
-                            args.concurrency)]
-    finally:
-        for proc in (gateway, worker, redis, baseline):
-            proc.stop()
-    _report(results, args)
-    return results
-
-
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def _report(results: list[dict], args) -> None:
+    result = run(args.seconds, args.concurrency, args.before)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "relay_throughput.json").write_text(json.dumps(results, indent=2))
-    base = results[0]
-    print(f"\n{TOKENS}-token streams, {args.concurrency} concurrent clients, {args.seconds:.0f}s each, one server "
-          "process, load generator on the same 2 cores\n")
-    print("| server | req/s | tokens/s | TTFT p50 (ms) | TTFT p99 (ms) | server CPU ms/req | errors | req/s ratio |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in results:
-        print(f"| {r['name']} | {r['requests_per_s']:.0f} | {r['tokens_per_s']:.0f} | {r['ttft_p50_ms']:.1f} | "
-              f"{r['ttft_p99_ms']:.1f} | {r['server_cpu_ms_per_request']:.2f} | {r['errors']} | "
-              f"{r['requests_per_s'] / base['requests_per_s']:.2f} |")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
-    names = ["baseline", "llmfleet"]
-    axes[0].bar(names, [r["requests_per_s"] for r in results], color=["#999999", "#3b7dd8"])
-    axes[0].set_title("requests/s")
-    axes[1].bar(names, [r["ttft_p99_ms"] for r in results], color=["#999999", "#3b7dd8"])
-    axes[1].set_title("TTFT p99 (ms)")
-    fig.tight_layout()
-    fig.savefig(RESULTS / "relay_throughput.png", dpi=110)
+    (RESULTS / "relay_throughput.json").write_text(json.dumps(result, indent=2))
+    plot(result)
+    print(table(result))
+    return result
 
 
 if __name__ == "__main__":
