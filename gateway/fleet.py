@@ -20,6 +20,7 @@ from redis.exceptions import RedisError
 
 from gateway import metrics
 from gateway.cancel import CancelRegistry
+from gateway.redis_batch import BatchedRedis
 from gateway.registry import WorkerRegistry
 from gateway.relay import ReplyRouter
 from shared import keys
@@ -38,7 +39,7 @@ return {1, depth}
 """
 
 DEADLINE_GRACE_S = 5.0
-SILENCE_CHECK_S = 1.0  # how often a silent request checks that its worker still lives
+SILENCE_CHECK_S = 1.0  # how often a silent request checks its deadline and that its worker still lives
 
 
 @dataclass(slots=True)
@@ -60,7 +61,7 @@ class GatewaySettings:
 class Run:
     """One request in flight: iterate `chunks()` once, then `close()`."""
 
-    def __init__(self, fleet: Fleet, envelope: RequestEnvelope, replies: asyncio.Queue[ChunkEnvelope]):
+    def __init__(self, fleet: Fleet, envelope: RequestEnvelope, replies: asyncio.Queue[ChunkEnvelope | None]):
         self.fleet = fleet
         self.envelope = envelope
         self.request_id = envelope.request_id
@@ -76,8 +77,8 @@ class Run:
         # The worker ends a generation at its deadline; the grace lets that ending arrive first.
         deadline = self.envelope.deadline + DEADLINE_GRACE_S
         while not self.finished:
-            envelope = await self._next_envelope(deadline)
-            if envelope is None:
+            envelope = await self._replies.get()
+            if envelope is None:  # a silence of up to SILENCE_CHECK_S (ReplyRouter.watch_silence)
                 self._check_alive(deadline)
                 continue
             self.worker_id = envelope.worker_id
@@ -91,16 +92,6 @@ class Run:
                 if chunk.done:
                     self.finished = True
                 yield chunk
-
-    async def _next_envelope(self, deadline: float) -> ChunkEnvelope | None:
-        """The next reply, or None after a silence of SILENCE_CHECK_S (or at the deadline)."""
-        if not self._replies.empty():  # the common case under load: no timer at all
-            return self._replies.get_nowait()
-        try:
-            async with asyncio.timeout(max(min(deadline - time.time(), SILENCE_CHECK_S), 0.001)):
-                return await self._replies.get()
-        except TimeoutError:
-            return None
 
     def _check_alive(self, deadline: float) -> None:
         """After a silence: raise if the deadline passed or the streaming worker is gone."""
@@ -139,13 +130,16 @@ class Fleet:
         self.router = ReplyRouter(self.redis, settings.gateway_id, settings.max_buffered_chunks,
                                   on_overflow=self._cancel_slow_client)
         self.registry = WorkerRegistry(self.redis)
-        self.cancels = CancelRegistry(self.redis, settings.gateway_id)
-        self._enqueue_script = self.redis.register_script(_ENQUEUE)
+        # Per-request commands share pipelines; the router's blocking read keeps its own connection.
+        self.batched = BatchedRedis(self.redis)
+        self.cancels = CancelRegistry(self.batched, settings.gateway_id)
+        self._enqueue_script = self.batched.register_script(_ENQUEUE)
         self.draining = False
         self._tasks: set[asyncio.Task] = set()
 
     async def start(self) -> None:
-        for job in (self.router.run(), self.router.keep_alive(), self.registry.run()):
+        for job in (self.batched.run(), self.router.run(), self.router.watch_silence(SILENCE_CHECK_S),
+                    self.router.keep_alive(), self.registry.run()):
             self._spawn(job)
 
     async def stop(self) -> None:

@@ -23,6 +23,7 @@ from shared.errors import EnvelopeError, ServiceUnavailable
 log = logging.getLogger(__name__)
 
 READ_BATCH = 1000
+SILENCE = None  # put in a request's queue by `watch_silence`: nothing came, look around
 
 
 class ReplyRouter:
@@ -32,12 +33,12 @@ class ReplyRouter:
         self.stream = keys.reply_stream(gateway_id)
         self.max_buffered = max_buffered  # envelopes waiting for one slow client
         self.on_overflow = on_overflow
-        self._routes: dict[str, asyncio.Queue[ChunkEnvelope]] = {}
+        self._routes: dict[str, asyncio.Queue[ChunkEnvelope | None]] = {}
         self._last_id = "$"
         self.connected = asyncio.Event()
 
-    def open(self, request_id: str) -> asyncio.Queue[ChunkEnvelope]:
-        queue: asyncio.Queue[ChunkEnvelope] = asyncio.Queue()
+    def open(self, request_id: str) -> asyncio.Queue[ChunkEnvelope | None]:
+        queue: asyncio.Queue[ChunkEnvelope | None] = asyncio.Queue()
         self._routes[request_id] = queue
         return queue
 
@@ -101,6 +102,16 @@ class ReplyRouter:
             self.on_overflow(envelope.request_id)
             return
         queue.put_nowait(envelope)
+
+    async def watch_silence(self, interval: float) -> None:
+        """Every `interval`, wake each request with nothing waiting in its queue (a `SILENCE`), so
+        it checks its deadline and its worker: one timer for the process instead of a timeout
+        armed and cancelled around every wait of every request."""
+        while True:
+            await asyncio.sleep(interval)
+            for queue in self._routes.values():
+                if queue.empty():
+                    queue.put_nowait(SILENCE)
 
     async def keep_alive(self) -> None:
         """Refresh the reply stream's TTL while this gateway lives."""

@@ -1,0 +1,103 @@
+"""Redis commands of many requests, sent together: one pipeline per round trip.
+
+Each request costs the gateway a few small Redis commands (register the run, queue the
+request, unregister it). Sent one at a time, every command takes a pooled connection, a write
+and a read system call and a parse of its own: at a few hundred requests per second that was
+a quarter of the gateway's CPU (py-spy, issue #6), and bursts ran out of redis-py's connection
+pool ("Too many connections"). `BatchedRedis` is a Redis client whose commands are queued
+instead: one task sends everything queued since its last write as a single pipeline and hands
+each caller its own reply (or its own error). While one pipeline is on the wire the next one
+fills, so batches grow with the load and a lone command waits for no timer.
+
+Only for commands that answer at once: the blocking XREAD of the reply router and pub/sub
+keep connections of their own. Transactions (MULTI/EXEC) are not batched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+_Queued = tuple[tuple, dict, asyncio.Future]
+
+
+class BatchedRedis(aioredis.Redis):
+    """A client on `redis`'s connection pool whose commands go out in shared pipelines; `run()` sends them."""
+
+    def __init__(self, redis: aioredis.Redis):
+        super().__init__(connection_pool=redis.connection_pool)
+        self._direct = redis
+        self._queued: list[_Queued] = []
+        self._wake = asyncio.Event()
+
+    def queue_command(self, args: tuple, options: dict) -> asyncio.Future:
+        future = asyncio.get_running_loop().create_future()
+        self._queued.append((args, options, future))
+        self._wake.set()
+        return future
+
+    async def execute_command(self, *args, **options) -> Any:
+        return await self.queue_command(args, options)
+
+    def pipeline(self, transaction: bool = True, shard_hint: str | None = None) -> Pipeline:
+        if transaction:
+            return super().pipeline(transaction, shard_hint)
+        return _QueuedPipeline(self)
+
+    async def run(self) -> None:
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                batch, self._queued = self._queued, []
+                await self._send(batch)
+        finally:  # stopping: nobody will send what is still queued
+            self._fail(self._queued, RedisConnectionError("the gateway is stopping"))
+
+    async def _send(self, batch: list[_Queued]) -> None:
+        pipe = self._direct.pipeline(transaction=False)
+        for args, options, _future in batch:
+            pipe.execute_command(*args, **options)
+        try:
+            replies = await pipe.execute(raise_on_error=False)
+        except Exception as exc:  # noqa: BLE001 - whatever failed the batch fails its callers, never this loop
+            self._fail(batch, exc)
+            return
+        except asyncio.CancelledError:
+            self._fail(batch, RedisConnectionError("the gateway is stopping"))
+            raise
+        for (_args, _options, future), reply in zip(batch, replies, strict=True):
+            if future.done():  # its caller was cancelled meanwhile
+                continue
+            if isinstance(reply, Exception):
+                future.set_exception(reply)
+            else:
+                future.set_result(reply)
+
+    @staticmethod
+    def _fail(batch: list[_Queued], error: Exception) -> None:
+        for _args, _options, future in batch:
+            if not future.done():
+                future.set_exception(error)
+
+
+class _QueuedPipeline(Pipeline):
+    """A non-transactional pipeline whose commands join the shared batch when executed."""
+
+    def __init__(self, batched: BatchedRedis):
+        super().__init__(batched.connection_pool, batched.response_callbacks, transaction=False, shard_hint=None)
+        self._batched = batched
+
+    async def execute(self, raise_on_error: bool = True) -> list[Any]:
+        stack, self.command_stack = self.command_stack, []
+        futures = [self._batched.queue_command(args, options) for args, options in stack]
+        replies = await asyncio.gather(*futures, return_exceptions=True)
+        if raise_on_error:
+            for reply in replies:
+                if isinstance(reply, Exception):
+                    raise reply
+        return replies
