@@ -37,9 +37,9 @@ test-fast: install
 parity: install
 	$(BIN)/python -m tests.parity
 
+# Every benchmark (about 20 minutes), then docs/benchmarks.md rebuilt; `make bench ARGS=--quick` for a smoke run.
 bench: install
-	$(BIN)/python -m bench.cancel_latency
-	$(BIN)/python -m bench.relay_throughput
+	$(BIN)/python -m bench $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,55 @@
+"""The whole benchmark harness, one command: `python -m bench` (or `make bench`).
+
+Runs, in order, each on fresh processes: gateway capacity (scripted engine), the engine path
+(`vllm bench serve` against vllm serve, llmfleet and LiteLLM) and cancel latency (vLLM
+worker). Progress goes to stderr; each part writes bench/results/NAME.json and its PNG; then
+docs/benchmarks.md is rebuilt from those results (`bench.report`).
+
+    python -m bench [--quick] [--before REF] [--only gateway,engine,cancel]
+
+`--quick` is a smoke run of a few minutes; its report goes to bench/results/benchmarks.md and
+leaves docs/ alone. `--before REF` adds llmfleet as of git revision REF to the relay
+throughput comparison (before/after figures of hot-path changes, from the same run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+
+from bench import cancel_latency, engine_path, gateway_capacity, report
+
+PARTS = {
+    "gateway": lambda args: gateway_capacity.main(["--quick"] * args.quick + (["--before", args.before]
+                                                                             if args.before else [])),
+    "engine": lambda args: engine_path.main(["--quick"] * args.quick),
+    "cancel": lambda args: cancel_latency.main(["--trials", "20" if args.quick else "100", "--load", "8"]),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smoke run; the report stays in bench/results")
+    parser.add_argument("--before", help="git revision to compare the relay hot path against")
+    parser.add_argument("--only", default=",".join(PARTS), help="comma-separated parts: " + ", ".join(PARTS))
+    args = parser.parse_args(argv)
+    parts = [p.strip() for p in args.only.split(",") if p.strip()]
+    failed = []
+    started = time.monotonic()
+    for i, name in enumerate(parts, 1):
+        sys.stderr.write(f"\n=== [{i}/{len(parts)}] {name} ({time.monotonic() - started:.0f}s elapsed) ===\n")
+        try:
+            PARTS[name](args)
+        except Exception:  # noqa: BLE001 - one part failing must not lose the others' results
+            traceback.print_exc()
+            failed.append(name)
+    path = report.write(quick=args.quick)
+    sys.stderr.write(f"\nreport: {path} ({time.monotonic() - started:.0f}s in all)"
+                     + (f"; FAILED: {', '.join(failed)}\n" if failed else "\n"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
