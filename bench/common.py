@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -40,6 +41,15 @@ def cpu_seconds(pid: int) -> float:
 def rss_bytes(pid: int) -> int:
     """Resident memory of a process now."""
     return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def save(name: str, result: dict, plot, table) -> dict:
+    """Keep a benchmark's result as bench/results/NAME.json, draw its plot, print its markdown table."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2))
+    plot(result)
+    print(table(result))
+    return result
 
 
 def plot_bars(path: Path, names: list[str], panels: dict[str, list[float]]) -> None:

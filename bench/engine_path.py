@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import ENGINE_ARGS, ENGINE_ENV, RESULTS, progress
+from bench.common import ENGINE_ARGS, ENGINE_ENV, RESULTS, cpu_seconds, progress, save
 from tests.procs import (
     Proc,
     free_port,
@@ -148,13 +148,16 @@ class Backends(contextlib.ExitStack):
         wait_until_served(gateway, MODEL, timeout=60)
         wait_until_answers(serve, "/v1/models", 600)
         urls = {"vllm serve": serve.url, "llmfleet": gateway.url}
-        self.pids = {"llmfleet gateway": gateway.pid, "llmfleet worker": worker.pid, "vllm serve": serve.pid}
+        # The processes beside the engine that each server runs (vLLM's engine core is a child process,
+        # not counted): their CPU per output token is what they take from the engine on shared cores.
+        self.frontends = {"vllm serve": [serve.pid], "llmfleet": [worker.pid, gateway.pid, redis.pid]}
         self.skipped = {}
         if isinstance(litellm, Path):
             proxy = self._own(start_litellm(litellm, serve.url, scratch))
             try:
                 wait_until_answers(proxy, "/health/liveliness", 180)
                 urls["LiteLLM proxy"] = proxy.url
+                self.frontends["LiteLLM proxy"] = [serve.pid, proxy.pid]
             except (TimeoutError, RuntimeError) as exc:
                 self.skipped["LiteLLM proxy"] = f"did not start: {exc}; log tail: {proxy.log()[-300:]}"
         else:
@@ -180,13 +183,16 @@ def run(quick: bool, with_litellm: bool = True) -> dict:
         steps, done = len(cases) * len(urls), 0
         for case in cases:
             for name, url in urls.items():
+                cpu_before = sum(cpu_seconds(pid) for pid in backends.frontends[name])
                 result = bench_serve(url, model_dir, case, env, Path(scratch) / f"{len(rows)}.json")
+                frontend_cpu = sum(cpu_seconds(pid) for pid in backends.frontends[name]) - cpu_before
                 row = {"backend": name, **case, "completed": result["completed"], "failed": result["failed"],
                        **{m: result[m] for m in METRICS}}
                 # --ignore-eos makes every request exactly `output` tokens long; vLLM's client counts them
                 # from the usage chunk, or by re-tokenizing the text where a proxy's stream drops it (LiteLLM).
                 row["reported_output_throughput"] = row["output_throughput"]
                 row["output_throughput"] = result["completed"] * case["output"] / result["duration"]
+                row["frontend_cpu_ms_per_token"] = 1000 * frontend_cpu / max(1, result["completed"] * case["output"])
                 rows.append(row)
                 done += 1
                 progress("engine path (vllm bench serve runs)", done, steps)
@@ -213,15 +219,16 @@ def _same_case(a: dict, b: dict) -> bool:
 
 def table(result: dict) -> str:
     lines = [("| workload | server | output tok/s | req/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | "
-             "throughput ratio | TTFT p50 Δ (ms) | TTFT p99 ratio | ITL p99 ratio | failed |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "throughput ratio | TTFT p50 Δ (ms) | TTFT p99 ratio | ITL p99 ratio | CPU ms/token beside the engine | "
+             "failed |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         lines.append(
             f"| {r['input']}→{r['output']} c={r['concurrency']} | {r['backend']} | {r['output_throughput']:.0f} | "
             f"{r['request_throughput']:.2f} | {r['p50_ttft_ms']:.1f} / {r['p99_ttft_ms']:.1f} | "
             f"{r['p50_itl_ms']:.2f} / {r['p99_itl_ms']:.2f} | {r['throughput_ratio']:.2f} | "
             f"{r['ttft_p50_overhead_ms']:+.1f} | {_ratio(r['p99_ttft_ms_ratio'])} | {_ratio(r['p99_itl_ms_ratio'])} | "
-            f"{r['failed']} |")
+            f"{r['frontend_cpu_ms_per_token']:.3f} | {r['failed']} |")
     for name, why in result["skipped"].items():
         lines.append(f"\n{name}: not measured: {why}")
     return "\n".join(lines)
@@ -262,12 +269,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="a smoke run: fewer workloads and prompts")
     parser.add_argument("--no-litellm", action="store_true", help="leave the LiteLLM proxy out")
     args = parser.parse_args(argv)
-    result = run(args.quick, not args.no_litellm)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "engine_path.json").write_text(json.dumps(result, indent=2))
-    plot(result)
-    print(table(result))
-    return result
+    return save("engine_path", run(args.quick, not args.no_litellm), plot, table)
 
 
 if __name__ == "__main__":

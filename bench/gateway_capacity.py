@@ -9,9 +9,9 @@ Three measurements, each on fresh processes (Redis, one scripted worker, one gat
    answers with no first-token delay, so its own TTFT is zero and everything the client
    waits for is the path: HTTP in, Redis, worker claim, Redis, SSE out. The bare SSE server's
    TTFT at the same rate is the HTTP floor alone.
-3. Open streams: streams paced at one token every few seconds, opened until `--streams` are
-   open at once; the gateway's RSS is sampled as the count passes each step (1k, 5k, 10k),
-   and every stream must end with all its tokens and [DONE].
+3. Open streams: streams paced at one token every 15 s (150 s each), all opened together
+   (200 connecting at a time); the gateway's RSS is sampled as the number open at once passes
+   each step (1k, 5k, 10k), and every stream must end with all its tokens and [DONE].
 
     python -m bench.gateway_capacity [--quick] [--before REF]
 
@@ -21,18 +21,17 @@ Writes bench/results/gateway_capacity.json and .png, prints markdown tables.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
 import uvloop
 
 from bench import relay_throughput
-from bench.common import RESULTS, plot_bars, rss_bytes
+from bench.common import RESULTS, plot_bars, rss_bytes, save
 from bench.loadgen import Target, hold_streams, open_loop, summarize
 from bench.relay_throughput import BODY, MODEL, Fleet, baseline_server
 
-HELD_TOKENS = 6
+HELD_TOKENS = 10  # × the token interval: long enough that the first streams outlive the ramp to the last
 
 
 def added_ttft(rates: list[float], seconds: float) -> list[dict]:
@@ -56,13 +55,16 @@ def open_streams(steps: list[int], token_interval: float) -> dict:
     body = {**BODY, "max_tokens": HELD_TOKENS}
     worker_args = ("--scripted-tokens-per-second", str(1 / token_interval))
     with Fleet(worker_args=worker_args) as fleet:
-        target = Target(fleet.url, "/v1/chat/completions", body)
+        target = Target(fleet.url, "/v1/chat/completions", body, timeout=token_interval * HELD_TOKENS + 120)
         idle_rss = rss_bytes(fleet.pid)
         samples: dict[int, int] = {}
+        peak = 0
         started = time.monotonic()
 
         def opened(count: int) -> None:
-            if count in steps:
+            nonlocal peak
+            peak = max(peak, count)
+            if count in steps and count not in samples:
                 samples[count] = rss_bytes(fleet.pid)
                 sys.stderr.write(f"  open streams: {count} after {time.monotonic() - started:.1f}s, gateway RSS "
                                  f"{samples[count] / 2**20:.0f} MiB\n")
@@ -73,7 +75,7 @@ def open_streams(steps: list[int], token_interval: float) -> dict:
         elapsed = time.monotonic() - started
     summary = summarize(results, elapsed, expected_tokens=HELD_TOKENS)
     return {
-        "streams": total, "completed": summary["requests"], "errors": summary["errors"],
+        "streams": total, "peak_open": peak, "completed": summary["requests"], "errors": summary["errors"],
         "first_errors": summary["first_errors"], "seconds": elapsed, "token_interval_s": token_interval,
         "idle_rss_mib": idle_rss / 2**20,
         "steps": [{"open": n, "rss_mib": samples[n] / 2**20, "kib_per_stream": (samples[n] - idle_rss) / 1024 / n}
@@ -88,7 +90,7 @@ def run(quick: bool, before: str | None) -> dict:
     sys.stderr.write("added time to first token (open loop)\n")
     ttft = added_ttft([50] if quick else [50, 200], 5 if quick else 10)
     sys.stderr.write("concurrent open streams\n")
-    streams = open_streams([1000] if quick else [1000, 5000, 10000], 2.0 if quick else 6.0)
+    streams = open_streams([1000] if quick else [1000, 5000, 10000], 2.0 if quick else 15.0)
     return {"measured_at": time.strftime("%Y-%m-%d %H:%M"), "model": MODEL, "throughput": throughput,
             "ttft": ttft, "open_streams": streams}
 
@@ -104,7 +106,8 @@ def tables(result: dict) -> str:
             f"| 0 | {streams['idle_rss_mib']:.0f} | | | |"]
     for step in streams["steps"]:
         out.append(f"| {step['open']} | {step['rss_mib']:.0f} | {step['kib_per_stream']:.1f} | | |")
-    out.append(f"| all {streams['streams']} | | | {streams['completed']} | {streams['errors']} |")
+    out.append(f"| all {streams['streams']} (at most {streams['peak_open']} open at once) | | | {streams['completed']} "
+               f"| {streams['errors']} |")
     return "\n".join(out)
 
 
@@ -129,12 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="a smoke run: shorter loads, 1k streams")
     parser.add_argument("--before", help="also measure relay throughput of llmfleet as of this git revision")
     args = parser.parse_args(argv)
-    result = run(args.quick, args.before)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "gateway_capacity.json").write_text(json.dumps(result, indent=2))
-    plot(result)
-    print(tables(result))
-    return result
+    return save("gateway_capacity", run(args.quick, args.before), plot, tables)
 
 
 if __name__ == "__main__":

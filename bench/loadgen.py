@@ -210,15 +210,16 @@ async def hold_streams(target: Target, count: int, opened: Callable[[int], None]
                        connect_parallel: int = 200) -> list[StreamResult]:
     """Open `count` streams (at most `connect_parallel` connecting at once) and read each to its end.
 
-    `opened(n)` is called as streams deliver their first token, with how many have so far.
+    `opened(n)` is called as each stream delivers its first token, with how many are open now
+    (a first token received, the end not yet).
     """
     gate = asyncio.Semaphore(connect_parallel)
-    first_tokens = 0
+    open_now = 0
 
     def on_first() -> None:
-        nonlocal first_tokens
-        first_tokens += 1
-        opened(first_tokens)
+        nonlocal open_now
+        open_now += 1
+        opened(open_now)
 
     async def one() -> StreamResult:
         async with gate:
@@ -229,6 +230,9 @@ async def hold_streams(target: Target, count: int, opened: Callable[[int], None]
             request = asyncio.ensure_future(connection.stream(target.request, target.timeout))
             await asyncio.sleep(0)  # the request is written; the next connection may start
         result = await request
+        if result.tokens:
+            nonlocal open_now
+            open_now -= 1
         if connection.transport is not None:
             connection.transport.close()
         return result

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import subprocess
 import sys
 import tempfile
@@ -25,7 +24,7 @@ from typing import Self
 
 import uvloop
 
-from bench.common import RESULTS, ROOT, cpu_seconds, plot_bars
+from bench.common import RESULTS, ROOT, cpu_seconds, plot_bars, save
 from bench.loadgen import Target, closed_loop, summarize
 from tests.procs import (
     Proc,
@@ -157,12 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--before", help="also measure llmfleet as of this git revision")
     args = parser.parse_args(argv)
-    result = run(args.seconds, args.concurrency, args.before)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "relay_throughput.json").write_text(json.dumps(result, indent=2))
-    plot(result)
-    print(table(result))
-    return result
+    return save("relay_throughput", run(args.seconds, args.concurrency, args.before), plot, table)
 
 
 if __name__ == "__main__":
