@@ -54,7 +54,10 @@ def open_streams(steps: list[int], token_interval: float) -> dict:
     total = max(steps)
     body = {**BODY, "max_tokens": HELD_TOKENS}
     worker_args = ("--scripted-tokens-per-second", str(1 / token_interval))
-    with Fleet(worker_args=worker_args) as fleet:
+    # The worker takes a pooled Redis connection for each request it starts; thousands starting at
+    # once exhaust redis-py's default pool of 100 and the worker retries them all again and again
+    # (see the notes). The gateway is what this measures, so the worker gets a pool that large.
+    with Fleet(worker_args=worker_args, worker_redis_query=f"?max_connections={total + 100}") as fleet:
         target = Target(fleet.url, "/v1/chat/completions", body, timeout=token_interval * HELD_TOKENS + 120)
         idle_rss = rss_bytes(fleet.pid)
         samples: dict[int, int] = {}
@@ -71,7 +74,7 @@ def open_streams(steps: list[int], token_interval: float) -> dict:
 
         sys.stderr.write(f"  opening {total} streams (one token every {token_interval:.0f}s, "
                          f"{HELD_TOKENS} tokens each)...\n")
-        results = uvloop.run(hold_streams(target, total, opened))
+        results = uvloop.run(hold_streams(target, total, opened, connect_parallel=100))
         elapsed = time.monotonic() - started
     summary = summarize(results, elapsed, expected_tokens=HELD_TOKENS)
     return {
