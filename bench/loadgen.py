@@ -130,7 +130,10 @@ class _Connection(asyncio.Protocol):
 
     def _give_up(self) -> None:
         self._end("timed out")
-        if self.transport is not None:
+        self.close()
+
+    def close(self) -> None:
+        if self.transport is not None:  # None once the server has closed it
             self.transport.close()
 
 
@@ -172,7 +175,7 @@ async def closed_loop(target: Target, concurrency: int, seconds: float) -> tuple
             result, connection = await target.send(connection)
             results.append(result)
         if connection is not None:
-            connection.transport.close()
+            connection.close()
 
     started = time.monotonic()
     await asyncio.gather(*(client() for _ in range(concurrency)))
@@ -202,7 +205,7 @@ async def open_loop(target: Target, rate: float, seconds: float, seed: int = 0) 
         next_at += arrivals.expovariate(rate)
     await asyncio.gather(*pending)
     for connection in idle:
-        connection.transport.close()
+        connection.close()
     return results, time.monotonic() - started
 
 
@@ -233,8 +236,7 @@ async def hold_streams(target: Target, count: int, opened: Callable[[int], None]
         if result.tokens:
             nonlocal open_now
             open_now -= 1
-        if connection.transport is not None:
-            connection.transport.close()
+        connection.close()
         return result
 
     return list(await asyncio.gather(*(one() for _ in range(count))))
