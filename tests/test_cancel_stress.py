@@ -82,6 +82,8 @@ async def _cancel_mid_stream(client, url, body, cancel) -> tuple[str, int]:
             if not line.startswith("data: {"):
                 continue
             event = json.loads(line[6:])
+            if "error" in event:
+                return f"error {event['error']['code']}: {event['error']['message']}", tokens
             for choice in event["choices"]:
                 finish = choice["finish_reason"] or finish
                 if choice["delta"].get("content") and not cancelled:
