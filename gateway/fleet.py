@@ -131,8 +131,10 @@ class Fleet:
                                   on_overflow=self._cancel_slow_client)
         self.registry = WorkerRegistry(self.redis)
         # Per-request commands share pipelines; the router's blocking read keeps its own connection.
+        # Cancel registrations do not wait for a batch: a run's cancel_id must be gone as soon as
+        # its answer is, or a cancel sent right after the answer would still find the run.
         self.batched = BatchedRedis(self.redis)
-        self.cancels = CancelRegistry(self.batched, settings.gateway_id)
+        self.cancels = CancelRegistry(self.redis, settings.gateway_id)
         self._enqueue_script = self.batched.register_script(_ENQUEUE)
         self.draining = False
         self._tasks: set[asyncio.Task] = set()
