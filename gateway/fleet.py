@@ -39,6 +39,8 @@ return {1, depth}
 """
 
 DEADLINE_GRACE_S = 5.0
+REDIS_CONNECTIONS = 200  # per gateway process; the reply reader and registry hold a few of them
+REDIS_POOL_WAIT_S = 5.0  # longest wait for a free connection before the request gets a 503
 SILENCE_CHECK_S = 1.0  # how often a silent request checks its deadline and that its worker still lives
 
 
@@ -125,8 +127,12 @@ class Run:
 class Fleet:
     def __init__(self, settings: GatewaySettings):
         self.settings = settings
-        self.redis = aioredis.Redis.from_url(settings.redis_url, socket_connect_timeout=2,
-                                             health_check_interval=10)
+        # A burst of requests waits for a free connection instead of failing: redis-py's default pool
+        # raises "Too many connections" (a 503 to the client) past 100 commands in flight.
+        pool = aioredis.BlockingConnectionPool.from_url(settings.redis_url, max_connections=REDIS_CONNECTIONS,
+                                                        timeout=REDIS_POOL_WAIT_S, socket_connect_timeout=2,
+                                                        health_check_interval=10)
+        self.redis = aioredis.Redis.from_pool(pool)
         self.router = ReplyRouter(self.redis, settings.gateway_id, settings.max_buffered_chunks,
                                   on_overflow=self._cancel_slow_client)
         self.registry = WorkerRegistry(self.redis)
