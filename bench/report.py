@@ -47,8 +47,8 @@ def _commit() -> str:
     env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}  # only look: never refresh the index of a shared checkout
     completed = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                                check=False, env=env)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                           text=True, check=False, env=env).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs"], cwd=ROOT,
+                           capture_output=True, text=True, check=False, env=env).stdout.strip()
     return completed.stdout.strip() + (" + uncommitted changes" if dirty else "")
 
 
