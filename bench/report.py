@@ -34,7 +34,7 @@ Regenerate everything with one command (about 20 minutes; progress on stderr, JS
 `bench/results/`): `make bench` or `python -m bench [--before REF]`; `python -m bench --quick`
 is a smoke run of a few minutes that leaves this file alone.
 
-Results of the run of {measured_at} at commit `{commit}`.
+Results of the run of {measured_at} (latest part); report built at commit `{commit}`.
 """
 
 
