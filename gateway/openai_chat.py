@@ -45,14 +45,9 @@ class ChatFormatter(Formatter):
         super().__init__(request, envelope)
         self._started = [False] * request.n
 
-    def stream_events(self, chunk: GenerationChunk) -> list[dict[str, Any]]:
-        events = self._note(chunk)
-        if not chunk.done:
-            events += self._role_events([chunk.choice_index])
-            events.append(self._delta_event(chunk))
-            return events
-        events += self._role_events(range(self.n))  # choices that produced nothing at all
-        return events + self._closing_events(chunk)
+    def _opening_events(self, chunk: GenerationChunk) -> list[dict[str, Any]]:
+        # A role chunk opens each choice; at the end, also those of choices that produced nothing.
+        return self._role_events(range(self.n) if chunk.done else [chunk.choice_index])
 
     def _role_events(self, indexes) -> list[dict[str, Any]]:
         events = []

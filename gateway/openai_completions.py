@@ -20,12 +20,6 @@ class CompletionFormatter(Formatter):
     id_prefix = "cmpl"
     chunk_object = "text_completion"
 
-    def stream_events(self, chunk: GenerationChunk) -> list[dict[str, Any]]:
-        events = self._note(chunk)
-        if not chunk.done:
-            return [self._delta_event(chunk)]
-        return events + self._closing_events(chunk)
-
     def _choice(self, index: int, chunk: GenerationChunk | None, finish: str | None) -> dict[str, Any]:
         return {"index": index, "text": chunk.text or "" if chunk is not None else "",
                 "logprobs": chunk.logprobs if chunk is not None else None, "finish_reason": finish,

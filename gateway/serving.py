@@ -89,7 +89,16 @@ class Formatter:
 
     def stream_events(self, chunk: GenerationChunk) -> list[dict[str, Any]]:
         """The SSE events for one delta or terminal chunk."""
-        raise NotImplementedError
+        if chunk.usage is not None:
+            self._prompt_tokens = chunk.usage.prompt_tokens
+        if chunk.system_fingerprint is not None:
+            self._fingerprint = chunk.system_fingerprint
+        events = self._opening_events(chunk)
+        if chunk.done:
+            return events + self._closing_events(chunk)
+        self._tokens[chunk.choice_index] += chunk.token_count
+        events.append(self._delta_event(chunk))
+        return events
 
     def response(self, terminal: GenerationChunk) -> dict[str, Any]:
         """The whole non-streaming response, from the terminal chunk's candidates."""
@@ -99,14 +108,8 @@ class Formatter:
         """One choice of a stream chunk; `chunk` None for the empty finish of a silent choice."""
         raise NotImplementedError
 
-    def _note(self, chunk: GenerationChunk) -> list[dict[str, Any]]:
-        """Track what later events need: prompt tokens, tokens per choice, the fingerprint."""
-        if chunk.usage is not None:
-            self._prompt_tokens = chunk.usage.prompt_tokens
-        if chunk.system_fingerprint is not None:
-            self._fingerprint = chunk.system_fingerprint
-        if not chunk.done:
-            self._tokens[chunk.choice_index] += chunk.token_count
+    def _opening_events(self, chunk: GenerationChunk) -> list[dict[str, Any]]:
+        """Events owed before this chunk's own (chat's role chunks); counted before its tokens."""
         return []
 
     def _running_usage(self, index: int) -> dict[str, Any] | None:

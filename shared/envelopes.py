@@ -162,7 +162,6 @@ class Candidate:
     logprobs: Logprobs | None = None
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
-    completion_tokens: int = 0
     prompt_logprobs: list[Any] | None = None  # completions with echo and logprobs, as vLLM gives them
 
 

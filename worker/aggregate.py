@@ -24,12 +24,10 @@ class CandidateBuilder:
         self.logprobs: list | None = None
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
-        self.completion_tokens = 0
 
     def add(self, chunk: GenerationChunk) -> None:
         self.text.append(chunk.text or "")
         self.reasoning.append(chunk.reasoning)
-        self.completion_tokens += chunk.token_count
         if chunk.logprobs is not None:
             self.logprobs = (self.logprobs or []) + chunk.logprobs
         for delta in chunk.tool_calls or ():
@@ -51,7 +49,6 @@ class CandidateBuilder:
             logprobs=self.logprobs,
             finish_reason=self.finish_reason or default_finish,
             stop_reason=self.stop_reason,
-            completion_tokens=self.completion_tokens,
         )
 
 

@@ -21,7 +21,6 @@ with a "cancelled" terminal chunk.
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -46,8 +45,6 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from shared.envelopes import Candidate, GenerationChunk, RequestEnvelope, ToolCallDelta, Usage
 from shared.errors import ErrorInfo
 from worker.adapter import GenerationAdapter
-
-log = logging.getLogger(__name__)
 
 _FINISH_REASONS = {"abort": "cancelled"}  # vLLM's word for a cancelled request; the rest pass through
 _TOKENIZE = pydantic.TypeAdapter(TokenizeRequest)

@@ -5,8 +5,9 @@ id is present is still compared). Everything else must be equal.
 
 Non-streaming answers are compared as whole JSON documents. A stream is compared as what a
 client makes of it, plus its shape: per choice, the joined text, reasoning, tool calls merged by
-index, logprob entries, finish and stop reasons; the final usage chunk; and the set of chunk
-shapes (which keys each kind of chunk carries, and which are null). Where one delta ends and the
+index, logprob entries, finish and stop reasons, and the running usage on its role and finish
+chunks; the final usage chunk; and the set of chunk shapes (which keys each kind of chunk
+carries, and which are null). Where one delta ends and the
 next begins is not compared: vLLM sends one engine step per chunk, llmfleet may merge steps
 that arrive together, and clients join deltas either way.
 
@@ -85,7 +86,7 @@ def stream_view(events: list[Any]) -> dict[str, Any]:
             view = choices.setdefault(choice["index"], {"text": "", "content": None, "reasoning": None,
                                                         "role": None, "tool_calls": {}, "logprobs": None,
                                                         "finish_reason": None, "stop_reason": None,
-                                                        "usage_at_finish": None})
+                                                        "usage_at_role": None, "usage_at_finish": None})
             _merge_choice(view, choice, chunk.get("usage"))
     for view in choices.values():
         view["tool_calls"] = [view["tool_calls"][i] for i in sorted(view["tool_calls"])]
@@ -103,7 +104,8 @@ def _merge_choice(view: dict[str, Any], choice: dict[str, Any], usage: dict | No
     if "text" in choice:
         view["text"] += choice["text"] or ""
     delta = choice.get("delta") or {}
-    view["role"] = delta.get("role", view["role"])
+    if "role" in delta:
+        view["role"], view["usage_at_role"] = delta["role"], usage
     for key in ("content", "reasoning"):
         if delta.get(key) is not None:
             view[key] = (view[key] or "") + delta[key]
