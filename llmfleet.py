@@ -138,6 +138,8 @@ def tiny_model(directory: str) -> None:
 def up(port: int, redis_url: str, model: str | None) -> None:
     """Run the whole stack here: Redis (if none answers), one gateway, one vLLM worker."""
     stack = Stack()
+    # SIGTERM (docker stop, a supervisor) stops the children too, as Ctrl-C does.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         if not _redis_answers(redis_url):
             redis_url = stack.start_redis(redis_url)
