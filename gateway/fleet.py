@@ -20,13 +20,13 @@ from redis.exceptions import RedisError
 
 from gateway import metrics
 from gateway.cancel import CancelRegistry
-from gateway.redis_batch import BatchedRedis
 from gateway.registry import WorkerRegistry
 from gateway.relay import ReplyRouter
 from shared import keys
 from shared.codec import encode
 from shared.envelopes import Candidate, ChunkEnvelope, GenerationChunk, RequestEnvelope, Usage
 from shared.errors import Overloaded, ServiceUnavailable, WorkerLost, error_from_info
+from shared.redis_batch import BatchedRedis
 
 log = logging.getLogger(__name__)
 

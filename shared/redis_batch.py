@@ -1,16 +1,17 @@
 """Redis commands of many requests, sent together: one pipeline per round trip.
 
-Each request costs the gateway a few small Redis commands (register the run, queue the
-request, unregister it). Sent one at a time, every command takes a pooled connection, a write
-and a read system call and a parse of its own: at a few hundred requests per second that was
-a quarter of the gateway's CPU (py-spy, issue #6), and bursts ran out of redis-py's connection
-pool ("Too many connections"). `BatchedRedis` is a Redis client whose commands are queued
-instead: one task sends everything queued since its last write as a single pipeline and hands
-each caller its own reply (or its own error). While one pipeline is on the wire the next one
-fills, so batches grow with the load and a lone command waits for no timer.
+Each request costs a few small Redis commands: at the gateway, register the run, queue the
+request, unregister it; at the worker, lease the request and take any cancel stashed for it.
+Sent one at a time, every command takes a pooled connection, a write and a read system call
+and a parse of its own: at a few hundred requests per second that was a quarter of the
+gateway's CPU (py-spy, issue #6), and bursts ran out of redis-py's connection pool ("Too many
+connections"). `BatchedRedis` is a Redis client whose commands are queued instead: one task
+sends everything queued since its last write as a single pipeline and hands each caller its
+own reply (or its own error). While one pipeline is on the wire the next one fills, so batches
+grow with the load and a lone command waits for no timer.
 
-Only for commands that answer at once: the blocking XREAD of the reply router and pub/sub
-keep connections of their own. Transactions (MULTI/EXEC) are not batched.
+Only for commands that answer at once: blocking reads (XREAD, XREADGROUP) and pub/sub keep
+connections of their own. Transactions (MULTI/EXEC) are not batched.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class BatchedRedis(aioredis.Redis):
                 batch, self._queued = self._queued, []
                 await self._send(batch)
         finally:  # stopping: nobody will send what is still queued
-            self._fail(self._queued, RedisConnectionError("the gateway is stopping"))
+            self._fail(self._queued, RedisConnectionError("the client is stopping"))
 
     async def _send(self, batch: list[_Queued]) -> None:
         pipe = self._direct.pipeline(transaction=False)
@@ -68,7 +69,7 @@ class BatchedRedis(aioredis.Redis):
             self._fail(batch, exc)
             return
         except asyncio.CancelledError:
-            self._fail(batch, RedisConnectionError("the gateway is stopping"))
+            self._fail(batch, RedisConnectionError("the client is stopping"))
             raise
         for (_args, _options, future), reply in zip(batch, replies, strict=True):
             if future.done():  # its caller was cancelled meanwhile
