@@ -25,6 +25,7 @@ from shared import keys
 from shared.codec import decode, encode
 from shared.envelopes import CancelNotice, Candidate, GenerationChunk, RequestEnvelope, Usage, WorkerInfo
 from shared.errors import EngineError, EnvelopeError, FleetError, ServiceUnavailable, WorkerLost
+from shared.redis_batch import BatchedRedis
 from worker import metrics
 from worker.adapter import GenerationAdapter
 from worker.aggregate import collect_candidates
@@ -40,6 +41,9 @@ class RequestConsumer:
     def __init__(self, redis: aioredis.Redis, adapter: GenerationAdapter, max_concurrency: int,
                  worker_id: str | None = None, claim_idle_s: float = 3.0):
         self.redis = redis
+        # The per-request commands (lease, dead letters) of every request go out in shared pipelines:
+        # a claim of hundreds of requests is one round trip, not hundreds of connections.
+        self.batched = BatchedRedis(redis)
         self.adapter = adapter
         self.model = adapter.served_model_name
         self.max_concurrency = max_concurrency
@@ -66,6 +70,7 @@ class RequestConsumer:
         await self._ensure_group()
         async with asyncio.TaskGroup() as tasks:
             background = [
+                tasks.create_task(self.batched.run()),
                 tasks.create_task(self.publisher.run()),
                 tasks.create_task(self._heartbeat()),
                 tasks.create_task(self._listen_for_cancels()),
@@ -174,7 +179,7 @@ class RequestConsumer:
         record = {b"entry_id": entry_id, b"reason": reason, b"bytes": len(data),
                   b"data": data[: keys.DEAD_LETTER_KEEP_BYTES], b"worker_id": self.worker_id}
         with contextlib.suppress(RedisError):
-            await (self.redis.pipeline(transaction=False)
+            await (self.batched.pipeline(transaction=False)
                    .xadd(keys.dead_letter_stream(self.model), record, maxlen=keys.DEAD_LETTER_MAXLEN,
                          approximate=True)
                    .xack(self.stream, keys.WORKER_GROUP, entry_id)
@@ -190,7 +195,7 @@ class RequestConsumer:
         metrics.IN_FLIGHT.labels(self.model).set(self.in_flight)
         try:
             leased, stashed, streamed = await (
-                self.redis.pipeline(transaction=False)
+                self.batched.pipeline(transaction=False)
                 .set(keys.lease_key(request.request_id), self.worker_id, nx=True, ex=keys.LEASE_TTL_S)
                 .getdel(keys.cancelled_key(request.request_id))  # a cancel stashed while queued, consumed once
                 .exists(keys.streamed_key(request.request_id))

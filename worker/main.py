@@ -18,13 +18,21 @@ from worker.consumer import RequestConsumer
 
 log = logging.getLogger(__name__)
 
+REDIS_CONNECTIONS = 32
+REDIS_POOL_WAIT_S = 10.0
+
 
 async def serve(adapter: GenerationAdapter, redis_url: str, max_concurrency: int, metrics_port: int = 0,
                 claim_idle_s: float = 3.0) -> None:
     await adapter.start()
     if metrics_port:
         start_http_server(metrics_port)
-    redis = aioredis.Redis.from_url(redis_url, socket_connect_timeout=2, health_check_interval=10)
+    # A handful of connections suffice (claims, cancels, replies, heartbeat, the batch of per-request
+    # commands); a burst waits for one instead of opening thousands.
+    pool = aioredis.BlockingConnectionPool.from_url(redis_url, max_connections=REDIS_CONNECTIONS,
+                                                    timeout=REDIS_POOL_WAIT_S, socket_connect_timeout=2,
+                                                    health_check_interval=10)
+    redis = aioredis.Redis.from_pool(pool)
     consumer = RequestConsumer(redis, adapter, max_concurrency, claim_idle_s=claim_idle_s)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
