@@ -6,7 +6,6 @@ underscores): `--redis-url` is LLMFLEET_REDIS_URL, `--max-concurrency` LLMFLEET_
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import shutil
@@ -95,6 +94,8 @@ def worker(model, engine, served_model_name, redis_url, max_concurrency, metrics
            scripted_first_token_delay, chat_template, tool_call_parser, enable_auto_tool_choice, reasoning_parser,
            **engine_options) -> None:
     """Run a worker that serves one model from the Redis queue."""
+    import uvloop
+
     from worker.main import serve
 
     name = served_model_name or model
@@ -115,7 +116,8 @@ def worker(model, engine, served_model_name, redis_url, max_concurrency, metrics
         adapter = VLLMAdapter(engine_args, name, chat_template=_read(chat_template),
                               tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice,
                               reasoning_parser=reasoning_parser)
-    asyncio.run(serve(adapter, redis_url, max_concurrency, metrics_port, claim_idle))
+    # uvloop, as `vllm serve` runs: the worker's loop relays every token of every request.
+    uvloop.run(serve(adapter, redis_url, max_concurrency, metrics_port, claim_idle))
 
 
 def _read(path: str | None) -> str | None:

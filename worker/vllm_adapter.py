@@ -20,10 +20,10 @@ with a "cancelled" terminal chunk.
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+import orjson
 import pydantic
 from vllm import AsyncEngineArgs
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
@@ -176,7 +176,7 @@ class _StreamDecoder:
             payload = event.removeprefix("data: ").rstrip("\n")
             if payload == "[DONE]":
                 break
-            data = json.loads(payload)
+            data = orjson.loads(payload)
             if "error" in data:
                 yield _error_chunk(ErrorResponse.model_validate(data), in_stream=True)
                 return
