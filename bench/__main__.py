@@ -9,7 +9,8 @@ docs/benchmarks.md is rebuilt from those results (`bench.report`).
 
 `--quick` is a smoke run of a few minutes; its report goes to bench/results/benchmarks.md and
 leaves docs/ alone. `--before REF` adds llmfleet as of git revision REF to the relay
-throughput comparison (before/after figures of hot-path changes, from the same run).
+throughput and engine path comparisons (before/after figures of hot-path changes, from the
+same run).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from bench import cancel_latency, engine_path, gateway_capacity, report
 PARTS = {
     "gateway": lambda args: gateway_capacity.main(["--quick"] * args.quick + (["--before", args.before]
                                                                              if args.before else [])),
-    "engine": lambda args: engine_path.main(["--quick"] * args.quick),
+    "engine": lambda args: engine_path.main(["--quick"] * args.quick + (["--before", args.before]
+                                                                       if args.before else [])),
     "cancel": lambda args: cancel_latency.main(["--trials", "20" if args.quick else "100", "--load", "8"]),
 }
 
@@ -32,7 +34,7 @@ PARTS = {
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smoke run; the report stays in bench/results")
-    parser.add_argument("--before", help="git revision to compare the relay hot path against")
+    parser.add_argument("--before", help="git revision to compare the hot path against (relay and engine path)")
     parser.add_argument("--only", default=",".join(PARTS), help="comma-separated parts: " + ", ".join(PARTS))
     args = parser.parse_args(argv)
     parts = [p.strip() for p in args.only.split(",") if p.strip()]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -115,3 +117,18 @@ class Stack:
 
     def worker_log(self) -> str:
         return self.worker.log() if self.worker else ""
+
+
+@contextlib.contextmanager
+def source_tree(ref: str):
+    """The files of git revision `ref` in a temporary directory (no change to this checkout).
+
+    Its processes run on this venv, with the directory first on PYTHONPATH. Where `ref` did not
+    yet depend on hiredis, a stub module hides it, so that redis-py parses replies as it did then.
+    """
+    with tempfile.TemporaryDirectory(prefix="llmfleet-before-") as directory:
+        archive = subprocess.run(["git", "archive", ref], cwd=ROOT, check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", directory], input=archive, check=True)
+        if "hiredis" not in (Path(directory) / "pyproject.toml").read_text():
+            (Path(directory) / "hiredis.py").write_text(f'raise ImportError("not a dependency at {ref}")\n')
+        yield directory

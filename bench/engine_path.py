@@ -7,13 +7,15 @@ the machine's drift hits each of them alike:
 - `vllm serve` alone: the baseline, no gateway;
 - llmfleet: one gateway, Redis, one vLLM worker;
 - LiteLLM proxy in front of that same `vllm serve` (installed on first use in its own venv,
-  ~/.cache/llmfleet/litellm-venv, so it cannot disturb this project's dependencies).
+  ~/.cache/llmfleet/litellm-venv, so it cannot disturb this project's dependencies);
+- with `--before REF`, llmfleet as of git revision REF as well (its own Redis, worker and
+  gateway from `git archive REF`): before/after figures of a hot-path change, from one run.
 
 The load generator is vLLM's own client (`vllm bench serve`, random dataset, `--ignore-eos` so
 every request makes exactly its output length). Every figure is also given as a ratio to the
 baseline's in the same workload.
 
-    python -m bench.engine_path [--quick] [--no-litellm]
+    python -m bench.engine_path [--quick] [--no-litellm] [--before REF]
 
 Writes bench/results/engine_path.json and .png, prints a markdown table.
 """
@@ -31,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import ENGINE_ARGS, ENGINE_ENV, RESULTS, cpu_seconds, progress, save
+from bench.common import ENGINE_ARGS, ENGINE_ENV, RESULTS, cpu_seconds, progress, save, source_tree
 from tests.procs import (
     Proc,
     free_port,
@@ -137,20 +139,21 @@ def bench_serve(url: str, model_dir: Path, workload: dict, env: dict, out: Path)
 class Backends(contextlib.ExitStack):
     """vllm serve, llmfleet and (if it installs) LiteLLM, all started; stopped on exit by PID."""
 
-    def start(self, model_dir: Path, env: dict, with_litellm: bool, scratch: Path) -> dict[str, str]:
+    def start(self, model_dir: Path, env: dict, with_litellm: bool, scratch: Path,
+              before: str | None = None) -> dict[str, str]:
         litellm = ensure_litellm() if with_litellm else "left out (--no-litellm)"
         sys.stderr.write("starting vllm serve and an llmfleet vLLM worker on the tiny model (about a minute)...\n")
         serve = self._own(start_vllm_serve(model_dir, env))
-        redis = self._own(start_redis())
-        worker = self._own(start_worker(redis.url, str(model_dir), *ENGINE_ARGS, "--max-concurrency", "256",
-                                        engine="vllm", served_name=MODEL, env=ENGINE_ENV, timeout=600))
-        gateway = self._own(start_gateway(redis.url))
-        wait_until_served(gateway, MODEL, timeout=60)
-        wait_until_answers(serve, "/v1/models", 600)
-        urls = {"vllm serve": serve.url, "llmfleet": gateway.url}
+        urls = {"vllm serve": serve.url}
         # The processes beside the engine that each server runs (vLLM's engine core is a child process,
         # not counted): their CPU per output token is what they take from the engine on shared cores.
-        self.frontends = {"vllm serve": [serve.pid], "llmfleet": [worker.pid, gateway.pid, redis.pid]}
+        self.frontends = {"vllm serve": [serve.pid]}
+        if before:
+            source = self.enter_context(source_tree(before))
+            self._start_llmfleet(f"llmfleet before ({before})", model_dir, urls,
+                                 {"PYTHONSAFEPATH": "1", "PYTHONPATH": source})
+        self._start_llmfleet("llmfleet", model_dir, urls)
+        wait_until_answers(serve, "/v1/models", 600)
         self.skipped = {}
         if isinstance(litellm, Path):
             proxy = self._own(start_litellm(litellm, serve.url, scratch))
@@ -164,19 +167,30 @@ class Backends(contextlib.ExitStack):
             self.skipped["LiteLLM proxy"] = litellm
         return urls
 
+    def _start_llmfleet(self, name: str, model_dir: Path, urls: dict[str, str], env: dict | None = None) -> None:
+        """Redis, one vLLM worker and one gateway (from `env`'s PYTHONPATH if given)."""
+        redis = self._own(start_redis())
+        worker = self._own(start_worker(redis.url, str(model_dir), *ENGINE_ARGS, "--max-concurrency", "256",
+                                        engine="vllm", served_name=MODEL, env={**ENGINE_ENV, **(env or {})},
+                                        timeout=600))
+        gateway = self._own(start_gateway(redis.url, env=env))
+        wait_until_served(gateway, MODEL, timeout=60)
+        urls[name] = gateway.url
+        self.frontends[name] = [worker.pid, gateway.pid, redis.pid]
+
     def _own(self, proc: Proc) -> Proc:
         self.callback(proc.stop, 60)
         return proc
 
 
-def run(quick: bool, with_litellm: bool = True) -> dict:
+def run(quick: bool, with_litellm: bool = True, before: str | None = None) -> dict:
     from worker.tiny_model import write_tiny_model
 
     cases = workloads(quick)
     rows = []
     with tempfile.TemporaryDirectory(prefix="engine-path-") as scratch, vllm_cli_env() as env, Backends() as backends:
         model_dir = write_tiny_model(Path(scratch) / "tiny")
-        urls = backends.start(model_dir, env, with_litellm, Path(scratch))
+        urls = backends.start(model_dir, env, with_litellm, Path(scratch), before)
         for name, url in urls.items():  # warm-up: first requests pay one-off costs (caches, connections)
             bench_serve(url, model_dir, {"input": 128, "output": 16, "concurrency": 4, "prompts": 8}, env,
                         Path(scratch) / "warmup.json")
@@ -199,7 +213,7 @@ def run(quick: bool, with_litellm: bool = True) -> dict:
         skipped = backends.skipped
     _add_ratios(rows)
     return {"measured_at": time.strftime("%Y-%m-%d %H:%M"), "engine_args": ENGINE_ARGS, "engine_env": ENGINE_ENV,
-            "rows": rows, "skipped": skipped}
+            "rows": rows, "skipped": skipped, "before": before}
 
 
 def _add_ratios(rows: list[dict]) -> None:
@@ -268,8 +282,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a smoke run: fewer workloads and prompts")
     parser.add_argument("--no-litellm", action="store_true", help="leave the LiteLLM proxy out")
+    parser.add_argument("--before", help="also measure llmfleet as of this git revision")
     args = parser.parse_args(argv)
-    return save("engine_path", run(args.quick, not args.no_litellm), plot, table)
+    return save("engine_path", run(args.quick, not args.no_litellm, args.before), plot, table)
 
 
 if __name__ == "__main__":

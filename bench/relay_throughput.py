@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import subprocess
 import sys
-import tempfile
 import time
 from typing import Self
 
 import uvloop
 
-from bench.common import RESULTS, ROOT, cpu_seconds, plot_bars, save
+from bench.common import RESULTS, cpu_seconds, plot_bars, save, source_tree
 from bench.loadgen import Target, closed_loop, summarize
 from tests.procs import (
     Proc,
@@ -95,15 +93,6 @@ class Fleet:
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
-
-
-@contextlib.contextmanager
-def source_tree(ref: str):
-    """The files of git revision `ref` in a temporary directory (no change to this checkout)."""
-    with tempfile.TemporaryDirectory(prefix="llmfleet-before-") as directory:
-        archive = subprocess.run(["git", "archive", ref], cwd=ROOT, check=True, capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", directory], input=archive, check=True)
-        yield directory
 
 
 @contextlib.contextmanager
