@@ -1,9 +1,10 @@
 """The gateway's reply path: one reader per process, one queue per open request.
 
 Every worker writes the chunks of a request to the reply stream of the gateway process that
-accepted it. A single `ReplyRouter` task reads that stream in batches (XREAD COUNT) and hands
-each envelope to the queue of its request, so a gateway holding thousands of open requests
-still has one blocking read and one Redis connection for replies.
+accepted it; an entry holds one envelope, or the envelopes of many requests published together
+(`keys.BATCH_FIELD`). A single `ReplyRouter` task reads that stream in batches (XREAD COUNT)
+and hands each envelope to the queue of its request, so a gateway holding thousands of open
+requests still has one blocking read and one Redis connection for replies.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from shared import keys
-from shared.codec import decode
+from shared.codec import decode, decode_batch
 from shared.envelopes import ChunkEnvelope, GenerationChunk
 from shared.errors import EnvelopeError, ServiceUnavailable
 
@@ -82,9 +83,18 @@ class ReplyRouter:
                                                                             error=error)]))
 
     def _deliver(self, fields: dict[bytes, bytes]) -> None:
-        data = fields.get(keys.ENVELOPE_FIELD)
-        if data is None:
-            return
+        if (data := fields.get(keys.ENVELOPE_FIELD)) is not None:
+            self._route(data)
+        elif (batch := fields.get(keys.BATCH_FIELD)) is not None:
+            try:
+                envelopes = decode_batch(batch)
+            except EnvelopeError as exc:
+                log.error("dropping a malformed batch of replies: %s", exc)
+                return
+            for data in envelopes:
+                self._route(data)
+
+    def _route(self, data: bytes) -> None:
         try:
             envelope = decode(ChunkEnvelope, data)
         except EnvelopeError as exc:

@@ -168,7 +168,7 @@ def new_envelope(raw: dict[str, Any], kind: str, model: str, settings: GatewaySe
         request_id=uuid.uuid4().hex, model=model, kind=kind, reply_to="", arrival=now,
         deadline=now + timeout, queue_deadline=now + min(settings.queue_timeout_s, timeout),
         stream=body is not None and body.stream, body=raw, params=params or SamplingOptions(),
-        cancel_id=body.cancel_id if body is not None else None,
+        cancel_id=body.cancel_id if body is not None else None, batch_replies=True,
     )
 
 

@@ -108,6 +108,7 @@ class RequestEnvelope:
     cancel_id: str | None = None
     v: int = WIRE_VERSION
     queue_deadline: float = 0.0  # wall-clock seconds; a worker drops the request unstarted after it
+    batch_replies: bool = False  # the gateway reads reply entries of several envelopes (keys.BATCH_FIELD)
 
     def to_wire(self) -> dict[str, Any]:
         out = _compact(self)

@@ -41,7 +41,11 @@ CANCEL_MEMORY_TTL_S = 600  # how long a cancel waits for its run to show up
 DEAD_LETTER_MAXLEN = 10_000
 DEAD_LETTER_KEEP_BYTES = 64 * 1024  # of a poison envelope, kept for inspection
 CANCEL_CHANNEL = f"{PREFIX}:cancel"
-ENVELOPE_FIELD = b"e"  # the one field of every stream entry
+ENVELOPE_FIELD = b"e"  # a stream entry's one envelope
+# A reply entry that carries the envelopes of several requests (`codec.encode_batch`): one XADD
+# per gateway per publish, not one per request. Only for gateways that asked for it
+# (`RequestEnvelope.batch_replies`), so gateways older than it keep getting one envelope per entry.
+BATCH_FIELD = b"b"
 
 
 def request_stream(model: str) -> str:

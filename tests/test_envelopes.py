@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from shared.codec import MAX_ENVELOPE_BYTES, decode, encode
+from shared.codec import MAX_ENVELOPE_BYTES, decode, decode_batch, encode, encode_batch
 from shared.envelopes import (
     Candidate,
     ChunkEnvelope,
@@ -81,6 +81,28 @@ def test_unknown_fields_from_a_newer_writer_are_ignored():
 def test_bad_chunk_envelopes_are_refused(data, reason):
     with pytest.raises(EnvelopeError, match=reason):
         decode(ChunkEnvelope, data)
+
+
+def test_batch_round_trip():
+    envelopes = [encode(ChunkEnvelope(f"r{i}", i, [GenerationChunk(text=str(i), token_count=1)])) for i in range(3)]
+    assert decode_batch(encode_batch(envelopes)) == envelopes
+
+
+@pytest.mark.parametrize("data, reason", [
+    (b"\xc1", "not a msgpack batch"),
+    (msgpack.packb({"a": b"x"}), "list of encoded envelopes"),
+    (msgpack.packb([b"x", 3]), "list of encoded envelopes"),
+    (b"\x00" * (MAX_ENVELOPE_BYTES + 1), "exceeds"),
+])
+def test_bad_batches_are_refused(data, reason):
+    with pytest.raises(EnvelopeError, match=reason):
+        decode_batch(data)
+
+
+def test_batch_replies_is_off_unless_asked_for():
+    assert _request().batch_replies is False  # what a gateway from before batches means
+    assert "batch_replies" not in _request().to_wire()
+    assert decode(RequestEnvelope, encode(_request(batch_replies=True))).batch_replies is True
 
 
 def test_bad_request_kind_is_refused():

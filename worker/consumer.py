@@ -218,8 +218,7 @@ class RequestConsumer:
         if terminal.usage is not None:
             metrics.GENERATED_TOKENS.labels(self.model).inc(terminal.usage.completion_tokens)
         self.completed += 1
-        flushed = self.publisher.finish(request.reply_to, request.request_id, terminal,
-                                         (self.stream, entry_id, request.request_id))
+        flushed = self.publisher.finish(request, terminal, (self.stream, entry_id, request.request_id))
         await asyncio.shield(flushed)
 
     def _refuse_unstarted(self, request: RequestEnvelope, stashed: bytes | None,
@@ -256,7 +255,7 @@ class RequestConsumer:
             async for chunk in chunks:
                 if chunk.done:
                     return chunk
-                self.publisher.publish(request.reply_to, request.request_id, chunk)
+                self.publisher.publish(request, chunk)
             raise EngineError("the engine ended the generation without a terminal chunk")
         except FleetError as exc:
             return _error_terminal(exc)

@@ -2,9 +2,11 @@
 
 One task owns the Redis writes of a worker. Chunks queue up per request; whenever the previous
 write has finished (and at most every `coalesce_s`), everything queued goes out in one
-pipeline: one XADD per request, with neighbouring text deltas of the same choice merged. So a
-fast engine costs a few round trips per batch instead of one per token, and a slow one still
-gets each token out at once.
+pipeline, with neighbouring deltas of the same kind merged. The envelopes bound for one
+gateway share one stream entry (`keys.BATCH_FIELD`): an engine step of 64 requests is one XADD,
+not 64, for Redis and for the gateway that reads it. (A gateway that did not ask for batches,
+`RequestEnvelope.batch_replies`, gets one entry per envelope.) So a fast engine costs a few
+round trips per batch instead of one per token, and a slow one still gets each token out at once.
 
 The terminal chunk of a request is written in the same pipeline as the XACK and XDEL of its
 request entry, after every earlier chunk: the gateway never sees a request end twice, and the
@@ -22,8 +24,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from shared import keys
-from shared.codec import encode
-from shared.envelopes import ChunkEnvelope, GenerationChunk
+from shared.codec import MAX_ENVELOPE_BYTES, encode, encode_batch
+from shared.envelopes import ChunkEnvelope, GenerationChunk, RequestEnvelope
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +34,30 @@ log = logging.getLogger(__name__)
 class _Outbox:
     reply_to: str
     request_id: str
+    batch: bool  # its gateway reads entries of several envelopes
     chunks: list[GenerationChunk] = field(default_factory=list)
     ack: tuple[str, str, str] | None = None  # (request stream, entry id, request id) once terminal
     flushed: asyncio.Future | None = None
+
+
+@dataclass(slots=True)
+class _Entry:
+    """One reply stream entry: an envelope, or a batch of them for one gateway."""
+    reply_to: str
+    envelopes: list[bytes] = field(default_factory=list)
+    size: int = 0
+
+    def add(self, data: bytes) -> None:
+        self.envelopes.append(data)
+        self.size += len(data)
+
+    def value(self) -> dict[bytes, bytes]:
+        if len(self.envelopes) == 1:
+            return {keys.ENVELOPE_FIELD: self.envelopes[0]}
+        return {keys.BATCH_FIELD: encode_batch(self.envelopes)}
+
+
+BATCH_LIMIT_BYTES = MAX_ENVELOPE_BYTES // 2  # a batch stays well inside what a gateway decodes
 
 
 def _coalesce(chunks: list[GenerationChunk]) -> list[GenerationChunk]:
@@ -56,18 +79,19 @@ class ReplyPublisher:
         self._seq: dict[str, int] = {}
         self._wake = asyncio.Event()
 
-    def publish(self, reply_to: str, request_id: str, chunk: GenerationChunk) -> None:
-        outbox = self._outboxes.get(request_id)
+    def publish(self, request: RequestEnvelope, chunk: GenerationChunk) -> None:
+        outbox = self._outboxes.get(request.request_id)
         if outbox is None:
-            outbox = self._outboxes[request_id] = _Outbox(reply_to, request_id)
+            outbox = self._outboxes[request.request_id] = _Outbox(request.reply_to, request.request_id,
+                                                                  request.batch_replies)
         outbox.chunks.append(chunk)
         self._wake.set()
 
-    def finish(self, reply_to: str, request_id: str, terminal: GenerationChunk,
+    def finish(self, request: RequestEnvelope, terminal: GenerationChunk,
                ack: tuple[str, str, str] | None) -> asyncio.Future:
         """Queue the terminal chunk; the future resolves once it (and the ack) is in Redis."""
-        self.publish(reply_to, request_id, terminal)
-        outbox = self._outboxes[request_id]
+        self.publish(request, terminal)
+        outbox = self._outboxes[request.request_id]
         outbox.ack = ack
         outbox.flushed = asyncio.get_running_loop().create_future()
         return outbox.flushed
@@ -84,36 +108,50 @@ class ReplyPublisher:
                 await asyncio.sleep(pause)
 
     async def _flush(self, outboxes: list[_Outbox]) -> None:
-        writes = []
+        entries: list[_Entry] = []
+        batches: dict[str, _Entry] = {}  # the open batch entry of each gateway that reads batches
+        first_outputs = []  # requests whose first output (not their ending) goes out now
         for outbox in outboxes:
             seq = self._seq.get(outbox.request_id, 0)
-            envelope = ChunkEnvelope(outbox.request_id, seq, _coalesce(outbox.chunks), self.worker_id)
-            writes.append((outbox.reply_to, encode(envelope), outbox.ack,
-                           outbox.request_id if seq == 0 and outbox.ack is None else None))
+            data = encode(ChunkEnvelope(outbox.request_id, seq, _coalesce(outbox.chunks), self.worker_id))
+            entry = batches.get(outbox.reply_to) if outbox.batch else None
+            if entry is None or entry.size + len(data) > BATCH_LIMIT_BYTES:
+                entry = _Entry(outbox.reply_to)
+                entries.append(entry)
+                if outbox.batch:
+                    batches[outbox.reply_to] = entry
+            entry.add(data)
+            if seq == 0 and outbox.ack is None:
+                first_outputs.append(outbox.request_id)
             if outbox.flushed is not None:
                 self._seq.pop(outbox.request_id, None)
             else:
                 self._seq[outbox.request_id] = seq + 1
-        await self._write(writes)
+        await self._write(entries, first_outputs, [outbox.ack for outbox in outboxes if outbox.ack is not None])
         for outbox in outboxes:
             if outbox.flushed is not None and not outbox.flushed.done():
                 outbox.flushed.set_result(None)
 
-    async def _write(self, writes: list[tuple]) -> None:
+    async def _write(self, entries: list[_Entry], first_outputs: list[str],
+                     acks: list[tuple[str, str, str]]) -> None:
+        """The entries, then what the requests' first outputs and endings change: one pipeline.
+
+        Redis runs a pipeline in order, so a request's entry is in its stream before its request
+        is acknowledged.
+        """
         delay = 0.05
         while True:
             pipe = self.redis.pipeline(transaction=False)
-            for reply_to, data, ack, first_of in writes:
-                pipe.xadd(reply_to, {keys.ENVELOPE_FIELD: data},
-                          maxlen=keys.REPLY_STREAM_MAXLEN, approximate=True, nomkstream=True)
-                if first_of is not None:  # output has reached the client: never run it again
-                    pipe.set(keys.streamed_key(first_of), b"1", ex=keys.CANCEL_MEMORY_TTL_S)
-                if ack is not None:
-                    request_id = ack[2]
-                    pipe.xack(ack[0], keys.WORKER_GROUP, ack[1])
-                    pipe.xdel(ack[0], ack[1])
-                    pipe.delete(keys.cancelled_key(request_id), keys.lease_key(request_id),
-                                keys.streamed_key(request_id))
+            for entry in entries:
+                pipe.xadd(entry.reply_to, entry.value(), maxlen=keys.REPLY_STREAM_MAXLEN, approximate=True,
+                          nomkstream=True)
+            for request_id in first_outputs:  # output is on its way to the client: never run it again
+                pipe.set(keys.streamed_key(request_id), b"1", ex=keys.CANCEL_MEMORY_TTL_S)
+            for stream, entry_id, request_id in acks:
+                pipe.xack(stream, keys.WORKER_GROUP, entry_id)
+                pipe.xdel(stream, entry_id)
+                pipe.delete(keys.cancelled_key(request_id), keys.lease_key(request_id),
+                            keys.streamed_key(request_id))
             try:
                 await pipe.execute()
                 return

@@ -1,0 +1,119 @@
+"""The reply path on a real Redis: a worker's `ReplyPublisher` → reply streams → a gateway's
+`ReplyRouter`, without processes in between: batched entries, old gateways, acks, malformed data."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+
+import msgpack
+import redis.asyncio as aioredis
+
+from gateway.relay import ReplyRouter
+from shared import keys
+from shared.codec import decode, decode_batch, encode, encode_batch
+from shared.envelopes import ChunkEnvelope, GenerationChunk, RequestEnvelope
+from worker.publisher import ReplyPublisher
+
+
+def _request(gateway_id: str, batch: bool) -> RequestEnvelope:
+    return RequestEnvelope(request_id=uuid.uuid4().hex, model="m", kind="chat", reply_to=keys.reply_stream(gateway_id),
+                           arrival=0.0, stream=True, batch_replies=batch)
+
+
+@contextlib.asynccontextmanager
+async def reading(*routers: ReplyRouter):
+    """Routers reading their reply streams (made, and read from their end on)."""
+    async with running(*(router.run() for router in routers)):
+        for router in routers:
+            await asyncio.wait_for(router.connected.wait(), 5)
+        yield
+
+
+@contextlib.asynccontextmanager
+async def running(*jobs):
+    tasks = [asyncio.create_task(job) for job in jobs]
+    try:
+        yield
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _entries(redis: aioredis.Redis, stream: str) -> list[dict[bytes, bytes]]:
+    return [fields for _id, fields in await redis.xrange(stream) if b"hello" not in fields]
+
+
+async def test_envelopes_for_one_gateway_share_an_entry_and_old_gateways_get_one_each(redis_url: str) -> None:
+    redis = aioredis.Redis.from_url(redis_url)
+    batching, old = uuid.uuid4().hex, uuid.uuid4().hex
+    routers = {gateway: ReplyRouter(redis, gateway) for gateway in (batching, old)}
+    requests = [_request(batching, True), _request(batching, True), _request(batching, True), _request(old, False),
+                _request(old, False)]
+    queues = [routers[batching if r.batch_replies else old].open(r.request_id) for r in requests]
+    publisher = ReplyPublisher(redis, "w1")
+    for i, request in enumerate(requests):  # all queued before the publisher's first turn: one write
+        publisher.publish(request, GenerationChunk(text=f"t{i}", token_count=1))
+
+    async with reading(*routers.values()), running(publisher.run()):
+        received = [await asyncio.wait_for(queue.get(), 5) for queue in queues]
+
+    assert [(e.request_id, e.seq, e.worker_id, e.chunks[0].text) for e in received] == [
+        (r.request_id, 0, "w1", f"t{i}") for i, r in enumerate(requests)]
+    batched = await _entries(redis, keys.reply_stream(batching))
+    assert [set(fields) for fields in batched] == [{keys.BATCH_FIELD}]
+    assert [decode(ChunkEnvelope, d).request_id for d in decode_batch(batched[0][keys.BATCH_FIELD])] == [
+        r.request_id for r in requests[:3]]
+    assert [set(fields) for fields in await _entries(redis, keys.reply_stream(old))] == [{keys.ENVELOPE_FIELD}] * 2
+    for request in requests:  # their first output is out: a rescuer must not run them again
+        assert await redis.exists(keys.streamed_key(request.request_id))
+        await redis.delete(keys.streamed_key(request.request_id))
+    await redis.delete(*(keys.reply_stream(g) for g in routers))
+    await redis.aclose()
+
+
+async def test_terminal_chunks_acknowledge_their_requests_after_their_entry(redis_url: str) -> None:
+    redis = aioredis.Redis.from_url(redis_url)
+    gateway = uuid.uuid4().hex
+    router = ReplyRouter(redis, gateway)
+    stream = f"test:requests:{gateway}"
+    await redis.xgroup_create(stream, keys.WORKER_GROUP, id="0", mkstream=True)
+    await redis.expire(stream, 60)
+    requests = [_request(gateway, True) for _ in range(2)]
+    for request in requests:
+        await redis.xadd(stream, {keys.ENVELOPE_FIELD: encode(request)})
+    claimed = await redis.xreadgroup(keys.WORKER_GROUP, "w1", {stream: ">"}, count=10)
+    entry_ids = [entry_id for entry_id, _fields in claimed[0][1]]
+    queues = [router.open(r.request_id) for r in requests]
+    publisher = ReplyPublisher(redis, "w1")
+
+    async with reading(router), running(publisher.run()):
+        finished = [publisher.finish(r, GenerationChunk(done=True, finish_reason="stop"), (stream, e.decode(),
+                                                                                           r.request_id))
+                    for r, e in zip(requests, entry_ids, strict=True)]
+        await asyncio.wait_for(asyncio.gather(*finished), 5)
+        received = [await asyncio.wait_for(queue.get(), 5) for queue in queues]
+
+    assert [e.chunks[0].finish_reason for e in received] == ["stop", "stop"]
+    assert (await redis.xpending(stream, keys.WORKER_GROUP))["pending"] == 0
+    assert await redis.xlen(stream) == 0
+    assert not await redis.exists(*(keys.streamed_key(r.request_id) for r in requests))
+    await redis.delete(stream, keys.reply_stream(gateway))
+    await redis.aclose()
+
+
+async def test_a_malformed_envelope_in_a_batch_does_not_lose_the_others(redis_url: str) -> None:
+    redis = aioredis.Redis.from_url(redis_url)
+    gateway = uuid.uuid4().hex
+    router = ReplyRouter(redis, gateway)
+    good = ChunkEnvelope("good", 0, [GenerationChunk(text="ok", token_count=1)], "w1")
+    queue = router.open("good")
+    async with reading(router):
+        await redis.xadd(keys.reply_stream(gateway), {keys.BATCH_FIELD: b"\xc1 not msgpack"})
+        await redis.xadd(keys.reply_stream(gateway), {keys.BATCH_FIELD: msgpack.packb({"not": "a list"})})
+        await redis.xadd(keys.reply_stream(gateway), {keys.BATCH_FIELD: encode_batch([b"\xc1", encode(good)])})
+        assert await asyncio.wait_for(queue.get(), 5) == good
+    await redis.delete(keys.reply_stream(gateway))
+    await redis.aclose()
