@@ -54,10 +54,7 @@ def open_streams(steps: list[int], token_interval: float) -> dict:
     total = max(steps)
     body = {**BODY, "max_tokens": HELD_TOKENS}
     worker_args = ("--scripted-tokens-per-second", str(1 / token_interval))
-    # The worker takes a pooled Redis connection for each request it starts; thousands starting at
-    # once exhaust redis-py's default pool of 100 and the worker retries them all again and again
-    # (see the notes). The gateway is what this measures, so the worker gets a pool that large.
-    with Fleet(worker_args=worker_args, worker_redis_query=f"?max_connections={total + 100}") as fleet:
+    with Fleet(worker_args=worker_args) as fleet:
         target = Target(fleet.url, "/v1/chat/completions", body, timeout=token_interval * HELD_TOKENS + 120)
         idle_rss = rss_bytes(fleet.pid)
         samples: dict[int, int] = {}

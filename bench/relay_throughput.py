@@ -61,13 +61,12 @@ class Fleet:
     """Redis, one scripted worker (unpaced unless `worker_args` say otherwise) and one gateway; from
     this tree or from `source`."""
 
-    def __init__(self, source: str | None = None, *gateway_args: str, worker_args: tuple[str, ...] = (),
-                 worker_redis_query: str = ""):
+    def __init__(self, source: str | None = None, *gateway_args: str, worker_args: tuple[str, ...] = ()):
         env = {"PYTHONSAFEPATH": "1", "PYTHONPATH": source} if source else None
         self.redis = start_redis()
         self.procs: list[Proc] = [self.redis]
         try:
-            self.procs.append(start_worker(self.redis.url + worker_redis_query, MODEL, "--max-concurrency", "20000",
+            self.procs.append(start_worker(self.redis.url, MODEL, "--max-concurrency", "20000",
                                            *worker_args, env=env))
             self.gateway = start_gateway(self.redis.url, *gateway_args, env=env)
             self.procs.append(self.gateway)
