@@ -243,6 +243,15 @@ def table(result: dict) -> str:
             f"{r['p50_itl_ms']:.2f} / {r['p99_itl_ms']:.2f} | {r['throughput_ratio']:.2f} | "
             f"{r['ttft_p50_overhead_ms']:+.1f} | {_ratio(r['p99_ttft_ms_ratio'])} | {_ratio(r['p99_itl_ms_ratio'])} | "
             f"{r['frontend_cpu_ms_per_token']:.3f} | {r['failed']} |")
+    lines += ["", "Each figure as a ratio to vllm serve's in the same workload (TTFT and ITL: lower is better):", "",
+              "| workload | server | output tok/s | req/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        if r["backend"] == "vllm serve":
+            continue
+        lines.append(f"| {r['input']}→{r['output']} c={r['concurrency']} | {r['backend']} | {r['throughput_ratio']:.2f} | "
+                     f"{r['request_ratio']:.2f} | {_ratio(r['p50_ttft_ms_ratio'])} | {_ratio(r['p99_ttft_ms_ratio'])} | "
+                     f"{_ratio(r['p50_itl_ms_ratio'])} | {_ratio(r['p99_itl_ms_ratio'])} |")
     for name, why in result["skipped"].items():
         lines.append(f"\n{name}: not measured: {why}")
     return "\n".join(lines)

@@ -95,12 +95,23 @@ def run(quick: bool, before: str | None) -> dict:
             "ttft": ttft, "open_streams": streams}
 
 
+def ttft_over_baseline(result: dict, row: dict) -> tuple[float, float] | None:
+    """What llmfleet adds to the bare SSE server's TTFT at the same offered rate (p50, p99 differences)."""
+    base = next((b for b in result["ttft"] if b["name"] != "llmfleet" and b["rate"] == row["rate"]), None)
+    if base is None:
+        return None
+    return row["ttft_p50_ms"] - base["ttft_p50_ms"], row["ttft_p99_ms"] - base["ttft_p99_ms"]
+
+
 def tables(result: dict) -> str:
     out = [relay_throughput.table(result["throughput"]), ""]
-    out += ["| server | offered req/s | served req/s | TTFT p50 (ms) | TTFT p99 (ms) | errors |", "|---|---|---|---|---|---|"]
+    out += ["| server | offered req/s | served req/s | TTFT p50 (ms) | TTFT p99 (ms) | added p50 / p99 (ms) | errors |",
+            "|---|---|---|---|---|---|---|"]
     for r in result["ttft"]:
+        added = ttft_over_baseline(result, r) if r["name"] == "llmfleet" else None
         out.append(f"| {r['name']} | {r['rate']:.0f} | {r['requests_per_s']:.0f} | {r['ttft_p50_ms']:.1f} | "
-                   f"{r['ttft_p99_ms']:.1f} | {r['errors']} |")
+                   f"{r['ttft_p99_ms']:.1f} | {'' if added is None else f'{added[0]:+.1f} / {added[1]:+.1f}'} | "
+                   f"{r['errors']} |")
     streams = result["open_streams"]
     out += ["", "| open streams | gateway RSS (MiB) | KiB per stream | completed | errors |", "|---|---|---|---|---|",
             f"| 0 | {streams['idle_rss_mib']:.0f} | | | |"]

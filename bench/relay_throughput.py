@@ -122,11 +122,12 @@ def run(seconds: float, concurrency: int, before: str | None = None) -> dict:
 
 
 def table(result: dict) -> str:
-    lines = [("| server | req/s | tokens/s | TTFT p50 (ms) | TTFT p99 (ms) | server CPU ms/req | errors | "
-             "req/s ratio |"), "|---|---|---|---|---|---|---|---|"]
+    lines = [("| server | req/s | tokens/s | TTFT p50 (ms) | TTFT p99 (ms) | server CPU ms/req | server CPU ms/token "
+              "| errors | req/s ratio |"), "|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         lines.append(f"| {r['name']} | {r['requests_per_s']:.0f} | {r['tokens_per_s']:.0f} | {r['ttft_p50_ms']:.1f} "
-                     f"| {r['ttft_p99_ms']:.1f} | {r['server_cpu_ms_per_request']:.2f} | {r['errors']} | "
+                     f"| {r['ttft_p99_ms']:.1f} | {r['server_cpu_ms_per_request']:.2f} | "
+                     f"{r['server_cpu_ms_per_request'] / result['tokens_per_stream']:.3f} | {r['errors']} | "
                      f"{r['ratio_to_baseline']:.2f} |")
     return "\n".join(lines)
 

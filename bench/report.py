@@ -79,10 +79,11 @@ def targets(engine: dict | None, gateway: dict | None, cancel: dict | None) -> l
                      "for a gateway with a core of its own)"), fleet["requests_per_s"] >= 1000))
         rows.append(("gateway: ≥ 100k relayed tokens/s per process", f"{fleet['tokens_per_s']:.0f} tokens/s",
                      fleet["tokens_per_s"] >= 100_000))
-        ttft = [r for r in gateway["ttft"] if r["name"] == "llmfleet"]
-        rows.append(("gateway: added TTFT p99 ≤ 10 ms",
-                     ", ".join(f"p99 {r['ttft_p99_ms']:.1f} ms at {r['rate']:.0f} req/s" for r in ttft),
-                     all(r["ttft_p99_ms"] <= 10 for r in ttft)))
+        ttft = [(r, gateway_capacity.ttft_over_baseline(gateway, r)) for r in gateway["ttft"] if r["name"] == "llmfleet"]
+        rows.append(("gateway: added TTFT p99 ≤ 10 ms (llmfleet's TTFT p99 minus the bare SSE server's, same rate)",
+                     ", ".join(f"+{added[1]:.1f} ms at {r['rate']:.0f} req/s (p99 {r['ttft_p99_ms']:.1f} against "
+                               f"{r['ttft_p99_ms'] - added[1]:.1f})" for r, added in ttft if added is not None),
+                     all(added is not None and added[1] <= 10 for _r, added in ttft)))
         streams = gateway["open_streams"]
         rows.append(("gateway: 10,000 concurrent streams on one process, no errors",
                      (f"{streams['peak_open']} open at once; {streams['completed']}/{streams['streams']} completed, "
