@@ -123,6 +123,19 @@ class Run:
         self.closed_at = time.time()
         self.fleet.after_run(self, cancel)
 
+    async def release(self) -> None:
+        """Unregister a run whose answer is complete before the client can read its end.
+
+        A cancel sent right after the answer must find nothing (and say 0 cancelled). Closing
+        unregisters in the background, which can lose that race to a fast client.
+        """
+        if self.closed or not self.finished:
+            return
+        self.closed = True
+        self.closed_at = time.time()
+        self.fleet.router.close(self.request_id)
+        await asyncio.shield(self.fleet.after_run(self, None))  # done even if the client goes away now
+
 
 class Fleet:
     def __init__(self, settings: GatewaySettings):
@@ -156,10 +169,11 @@ class Fleet:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.redis.aclose()
 
-    def _spawn(self, job) -> None:
+    def _spawn(self, job) -> asyncio.Task:
         task = asyncio.create_task(job)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def ready(self) -> bool:
         if self.draining:
@@ -221,10 +235,10 @@ class Fleet:
     def _ttl(envelope: RequestEnvelope) -> int:
         return max(1, math.ceil(envelope.deadline - time.time())) + 5
 
-    def after_run(self, run: Run, cancel_reason: str | None) -> None:
+    def after_run(self, run: Run, cancel_reason: str | None) -> asyncio.Task:
         """Unregister a closed run, cancelling it first if it had not ended; in the background,
         since callers are often being cancelled themselves."""
-        self._spawn(self._after_run(run, cancel_reason))
+        return self._spawn(self._after_run(run, cancel_reason))
 
     async def _after_run(self, run: Run, cancel_reason: str | None) -> None:
         try:

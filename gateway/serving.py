@@ -194,6 +194,7 @@ async def serve_generation(request: Request, fleet: Fleet, envelope: RequestEnve
     if envelope.stream:
         return StreamingResponse(_sse_body(run, envelope, formatter, first, rest, started),
                                  media_type="text/event-stream")
+    await run.release()
     _finish(run, envelope, formatter, started, None)
     if first.error is not None:
         return fleet_error_response(error_from_info(first.error))
@@ -232,6 +233,8 @@ async def _sse_body(run: Run, envelope: RequestEnvelope, formatter: Formatter, f
     try:
         chunk = first
         while True:
+            if chunk.done:
+                await run.release()
             if chunk.error is not None:
                 yield sse(fleet_error_body(error_from_info(chunk.error)))
             else:
