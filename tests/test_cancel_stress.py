@@ -74,23 +74,24 @@ async def _run(client: httpx.AsyncClient, urls: list[str], model: str, mode: str
 
 
 async def _cancel_mid_stream(client, url, body, cancel) -> tuple[str, int]:
-    finish, tokens = None, 0
+    finish, tokens, found, response_id = None, 0, None, None
     async with client.stream("POST", f"{url}/v1/chat/completions",
                              json={**body, "stream": True, "stream_options": {"include_usage": True}}) as response:
-        cancelled = False
         async for line in response.aiter_lines():
             if not line.startswith("data: {"):
                 continue
             event = json.loads(line[6:])
             if "error" in event:
                 return f"error {event['error']['code']}: {event['error']['message']}", tokens
+            response_id = event["id"]
             for choice in event["choices"]:
                 finish = choice["finish_reason"] or finish
-                if choice["delta"].get("content") and not cancelled:
-                    cancelled = True
-                    await cancel()
+                if choice["delta"].get("content") and found is None:
+                    found = await cancel()
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
+    if finish != "cancelled":  # say what the cancel found, and which response it was, to follow it in the logs
+        return f"{finish} (the cancel found {found} runs; {response_id})", tokens
     return finish, tokens
 
 
