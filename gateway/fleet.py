@@ -112,29 +112,25 @@ class Run:
             raise error_from_info(first.error)
         return first, stream
 
-    def close(self, reason: str = "disconnect") -> None:
-        """Stop following the request; if it has not ended, cancel it on its worker."""
+    def close(self, reason: str = "disconnect") -> asyncio.Task | None:
+        """Stop following the request; if it has not ended, cancel it on its worker. Returns the
+        background task that unregisters it (None if it was closed already)."""
         if self.closed:
-            return
+            return None
         self.closed = True
         self.fleet.router.close(self.request_id)
         cancel = None if self.finished else reason
         self.finished = True
         self.closed_at = time.time()
-        self.fleet.after_run(self, cancel)
+        return self.fleet.after_run(self, cancel)
 
     async def release(self) -> None:
-        """Unregister a run whose answer is complete before the client can read its end.
-
-        A cancel sent right after the answer must find nothing (and say 0 cancelled). Closing
-        unregisters in the background, which can lose that race to a fast client.
+        """Close a run whose answer is complete, and wait until it is unregistered, before the
+        client can read the end of the answer: a cancel sent right after it must find nothing
+        (and say 0 cancelled), which the background unregistering alone can lose to a fast client.
         """
-        if self.closed or not self.finished:
-            return
-        self.closed = True
-        self.closed_at = time.time()
-        self.fleet.router.close(self.request_id)
-        await asyncio.shield(self.fleet.after_run(self, None))  # done even if the client goes away now
+        if self.finished and (unregistering := self.close()) is not None:
+            await asyncio.shield(unregistering)  # done even if the client goes away now
 
 
 class Fleet:
