@@ -204,6 +204,7 @@ class RequestConsumer:
             log.warning("could not lease request %s (%s); leaving it for a retry", request.request_id, exc)
             return
         if not leased:
+            self._cancel_requested.pop(request.request_id, None)  # a cancel that came meanwhile is its worker's
             return  # its worker is alive and holds the lease
         if reclaimed:
             metrics.RECLAIMED.labels(self.model).inc()
