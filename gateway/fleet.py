@@ -15,14 +15,13 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from gateway import metrics
 from gateway.cancel import CancelRegistry
 from gateway.registry import WorkerRegistry
 from gateway.relay import ReplyRouter
-from shared import keys
+from shared import keys, redis_pool
 from shared.codec import encode
 from shared.envelopes import Candidate, ChunkEnvelope, GenerationChunk, RequestEnvelope, Usage
 from shared.errors import Overloaded, ServiceUnavailable, WorkerLost, error_from_info
@@ -136,12 +135,8 @@ class Run:
 class Fleet:
     def __init__(self, settings: GatewaySettings):
         self.settings = settings
-        # A burst of requests waits for a free connection instead of failing: redis-py's default pool
-        # raises "Too many connections" (a 503 to the client) past 100 commands in flight.
-        pool = aioredis.BlockingConnectionPool.from_url(settings.redis_url, max_connections=REDIS_CONNECTIONS,
-                                                        timeout=REDIS_POOL_WAIT_S, socket_connect_timeout=2,
-                                                        health_check_interval=10)
-        self.redis = aioredis.Redis.from_pool(pool)
+        self.redis = redis_pool.connect(settings.redis_url, max_connections=REDIS_CONNECTIONS,
+                                        wait_s=REDIS_POOL_WAIT_S, client_name=f"gateway-{settings.gateway_id}")
         self.router = ReplyRouter(self.redis, settings.gateway_id, settings.max_buffered_chunks,
                                   on_overflow=self._cancel_slow_client)
         self.registry = WorkerRegistry(self.redis)

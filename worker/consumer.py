@@ -37,6 +37,11 @@ ABORT_GRACE_S = 2.0  # how long an aborted generation may take to yield its term
 ENGINE_CHECK_S = 2.0  # how often the engine's health is checked
 
 
+def new_worker_id() -> str:
+    """A worker's name in the consumer group, heartbeats and `CLIENT LIST`: host, pid, and a nonce."""
+    return f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
 class RequestConsumer:
     def __init__(self, redis: aioredis.Redis, adapter: GenerationAdapter, max_concurrency: int,
                  worker_id: str | None = None, claim_idle_s: float = 3.0):
@@ -48,7 +53,7 @@ class RequestConsumer:
         self.model = adapter.served_model_name
         self.max_concurrency = max_concurrency
         self.claim_idle_s = claim_idle_s
-        self.worker_id = worker_id or f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.worker_id = worker_id or new_worker_id()
         self.stream = keys.request_stream(self.model)
         self.publisher = ReplyPublisher(redis, self.worker_id)
         self.started = time.time()
@@ -96,7 +101,7 @@ class RequestConsumer:
             await asyncio.sleep(ENGINE_CHECK_S)
             try:
                 await self.adapter.check_health()
-            except Exception as exc:  # any failure of the health check means the engine is gone
+            except Exception as exc:  # noqa: BLE001 - any failure of the health check means the engine is gone
                 log.error("engine health check failed: %s", exc)
             self._check_engine()
 

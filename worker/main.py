@@ -10,11 +10,11 @@ import asyncio
 import logging
 import signal
 
-import redis.asyncio as aioredis
 from prometheus_client import start_http_server
 
+from shared import redis_pool
 from worker.adapter import GenerationAdapter
-from worker.consumer import RequestConsumer
+from worker.consumer import RequestConsumer, new_worker_id
 
 log = logging.getLogger(__name__)
 
@@ -27,13 +27,11 @@ async def serve(adapter: GenerationAdapter, redis_url: str, max_concurrency: int
     await adapter.start()
     if metrics_port:
         start_http_server(metrics_port)
-    # A handful of connections suffice (claims, cancels, replies, heartbeat, the batch of per-request
-    # commands); a burst waits for one instead of opening thousands.
-    pool = aioredis.BlockingConnectionPool.from_url(redis_url, max_connections=REDIS_CONNECTIONS,
-                                                    timeout=REDIS_POOL_WAIT_S, socket_connect_timeout=2,
-                                                    health_check_interval=10)
-    redis = aioredis.Redis.from_pool(pool)
-    consumer = RequestConsumer(redis, adapter, max_concurrency, claim_idle_s=claim_idle_s)
+    # A handful of connections suffice: claims, cancels, replies, heartbeat, the batch of per-request commands.
+    worker_id = new_worker_id()
+    redis = redis_pool.connect(redis_url, max_connections=REDIS_CONNECTIONS, wait_s=REDIS_POOL_WAIT_S,
+                               client_name=worker_id)
+    consumer = RequestConsumer(redis, adapter, max_concurrency, worker_id, claim_idle_s=claim_idle_s)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, consumer.stop)
