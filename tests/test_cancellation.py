@@ -129,6 +129,53 @@ def test_explicit_cancel_through_the_other_replica(gateways, slow_worker):
     assert _cancels(slow_worker, cause="explicit", phase="decode") == 1
 
 
+def _cancelled_stream(gateways, model, lose_the_notice) -> list:
+    """Stream a run, lose its cancel's pub/sub notice with `lose_the_notice(request_id)`, and
+    return the events after it."""
+    with httpx.stream("POST", f"{gateways[0].url}/v1/chat/completions",
+                      json=_chat(model, stream=True, stream_options={"include_usage": True})) as response:
+        events = _events(response.iter_lines())
+        response_id = next(events)["id"]
+        next(events)
+        lose_the_notice(response_id.removeprefix("chatcmpl-"))
+        return list(events)
+
+
+def _ending(rest) -> tuple[list[str], int]:
+    """The finish reasons and the completion tokens of a stream's last events."""
+    finishes = [c["finish_reason"] for e in rest if e != "[DONE]" for c in e["choices"] if c["finish_reason"]]
+    return finishes, rest[-2]["usage"]["completion_tokens"]
+
+
+def test_a_cancel_whose_notice_never_came_still_stops_the_run(gateways, slow_worker, redis_client):
+    """Pub/sub is at most once; the stash the gateway writes beside each notice is not."""
+    model = _served(gateways, slow_worker)
+    # The gateway's cancel, minus its notice: only the stash.
+    rest = _cancelled_stream(gateways, model, lambda request_id: redis_client.set(
+        f"llmfleet:cancelled:{request_id}", "explicit", ex=60))
+    finishes, tokens = _ending(rest)
+    assert finishes == ["cancelled"] and tokens < 200
+    assert metric_value(slow_worker.url, "llmfleet_worker_cancels_from_stash_total") == 1
+    assert _cancels(slow_worker, cause="explicit", phase="decode") == 1
+
+
+def test_a_cancel_sent_while_the_worker_resubscribes_still_stops_the_run(gateways, slow_worker, redis_client):
+    model = _served(gateways, slow_worker)
+
+    def cut_the_subscription_then_cancel(request_id):
+        subscriptions = [c for c in redis_client.client_list(_type="pubsub")
+                         if f"-{slow_worker.pid}-" in c["name"]]
+        assert len(subscriptions) == 1, "the worker's connections are named after it"
+        redis_client.client_kill_filter(_id=subscriptions[0]["id"])
+        # The worker waits before it subscribes again: this notice reaches nobody.
+        answer = httpx.post(f"{gateways[1].url}/v1/cancel", json={"id": f"chatcmpl-{request_id}"})
+        assert answer.json() == {"cancelled": 1}
+
+    finishes, tokens = _ending(_cancelled_stream(gateways, model, cut_the_subscription_then_cancel))
+    assert finishes == ["cancelled"] and tokens < 200
+    assert _cancels(slow_worker, cause="explicit", phase="decode") == 1
+
+
 def test_cancel_by_response_id(gateways, slow_worker):
     model = _served(gateways, slow_worker)
     with httpx.stream("POST", f"{gateways[1].url}/v1/chat/completions", json=_chat(model, stream=True)) as response:

@@ -3,8 +3,11 @@
 A worker pulls: it asks the consumer group for at most as many requests as it has free slots,
 so work lands where there is room and no router has to guess load. Each claimed request runs
 as its own task; its chunks go to the `ReplyPublisher`. Cancels arrive on the pub/sub channel
-and reach the adapter as `abort(request_id)`. A heartbeat key tells the gateways what this
-worker serves and how busy it is.
+and reach the adapter as `abort(request_id)`. Pub/sub is at most once: a notice sent while the
+subscription is down (Redis restarted, a network blip) is lost. The gateway also stashes every
+cancel as `cancelled:{request_id}`, so the worker checks its running requests' stashes after each
+(re)subscription and with every heartbeat: a lost notice still stops its run, a second later.
+A heartbeat key tells the gateways what this worker serves and how busy it is.
 """
 
 from __future__ import annotations
@@ -176,6 +179,7 @@ class RequestConsumer:
 
     def _finished(self, request_id: str) -> None:
         self._running.pop(request_id, None)
+        self._cancel_requested.pop(request_id, None)
         metrics.IN_FLIGHT.labels(self.model).set(self.in_flight)
         self._slot_freed.set()
 
@@ -209,8 +213,7 @@ class RequestConsumer:
             log.warning("could not lease request %s (%s); leaving it for a retry", request.request_id, exc)
             return
         if not leased:
-            self._cancel_requested.pop(request.request_id, None)  # a cancel that came meanwhile is its worker's
-            return  # its worker is alive and holds the lease
+            return  # its worker is alive and holds the lease (and owns any cancel that came meanwhile)
         if reclaimed:
             metrics.RECLAIMED.labels(self.model).inc()
         else:
@@ -218,7 +221,7 @@ class RequestConsumer:
         terminal = self._refuse_unstarted(request, stashed, bool(streamed))
         if terminal is None:
             terminal = await self._generate(request)
-        if self._cancel_requested.pop(request.request_id, None) == "deadline":
+        if self._cancel_requested.get(request.request_id) == "deadline":
             _mark_deadline(terminal)
         metrics.REQUESTS.labels(self.model, terminal.finish_reason or "unknown").inc()
         if terminal.usage is not None:
@@ -321,6 +324,10 @@ class RequestConsumer:
         await pubsub.subscribe(keys.CANCEL_CHANNEL)
         try:
             async for message in pubsub.listen():
+                if message.get("type") == "subscribe":  # at start, and each time redis-py reconnects
+                    # Notices sent while the subscription was down are gone: catch up from the stashes.
+                    self._cancel_missed(await self._stashed_cancels(self.redis.pipeline(transaction=False)))
+                    continue
                 if message.get("type") != "message":
                     continue
                 try:
@@ -333,6 +340,25 @@ class RequestConsumer:
                         self._spawn(self.cancel(request_id, notice.reason, notice.sent_at))
         finally:
             await pubsub.aclose()
+
+    async def _stashed_cancels(self, pipe) -> dict[str, str]:
+        """Run `pipe` with a GET of each running request's cancel stash added; the causes of the
+        stashed cancels that have not reached their request, by request id."""
+        running = list(self._running)
+        for request_id in running:
+            pipe.get(keys.cancelled_key(request_id))
+        replies = await pipe.execute()
+        stashes = replies[len(replies) - len(running):]
+        return {request_id: cause.decode() for request_id, cause in zip(running, stashes, strict=True)
+                if cause is not None and request_id not in self._cancel_requested}
+
+    def _cancel_missed(self, missed: dict[str, str]) -> None:
+        """Cancel running requests whose cancel notice never came (it was stashed, not received)."""
+        for request_id, cause in missed.items():
+            if request_id in self._running and request_id not in self._cancel_requested:
+                log.warning("request %s: its cancel notice was lost; cancelling it from the stash", request_id)
+                metrics.CANCELS_FROM_STASH.labels(self.model).inc()
+                self._spawn(self.cancel(request_id, cause))
 
     async def cancel(self, request_id: str, cause: str, sent_at: float = 0.0) -> None:
         """Abort a running request; force it if the adapter does not end it in time."""
@@ -352,6 +378,7 @@ class RequestConsumer:
             task.cancel()
 
     async def _heartbeat(self) -> None:
+        stashed_before: dict[str, str] = {}
         while True:
             info = WorkerInfo(
                 worker_id=self.worker_id, model=self.model, max_model_len=self.adapter.max_model_len,
@@ -364,9 +391,13 @@ class RequestConsumer:
             for request_id in self._running:
                 pipe.expire(keys.lease_key(request_id), keys.LEASE_TTL_S)
             try:
-                await pipe.execute()
+                stashed = await self._stashed_cancels(pipe)
             except RedisError as exc:
                 log.warning("heartbeat failed: %s", exc)
+                stashed = {}
+            # A stash seen by two heartbeats in a row had a second for its notice to arrive: it was lost.
+            self._cancel_missed({rid: cause for rid, cause in stashed.items() if rid in stashed_before})
+            stashed_before = stashed
             await asyncio.sleep(keys.HEARTBEAT_INTERVAL_S)
 
     async def _drain(self) -> None:

@@ -12,6 +12,9 @@ POISON_MESSAGES = Counter("llmfleet_worker_poison_messages_total", "Malformed re
                           ["model"])
 CANCELS = Counter("llmfleet_worker_cancels_total", "Requests cancelled, by cause and phase",
                   ["model", "cause", "phase"])
+CANCELS_FROM_STASH = Counter("llmfleet_worker_cancels_from_stash_total",
+                             "Running requests cancelled from their stash because the pub/sub notice was lost",
+                             ["model"])
 TOKENS_AFTER_CANCEL = Counter("llmfleet_worker_tokens_after_cancel_total",
                               "Tokens the engine produced after a cancel reached the worker", ["model"])
 QUEUE_TIMEOUTS = Counter("llmfleet_worker_queue_timeouts_total", "Requests dropped unstarted after their queue "
