@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 ABORT_GRACE_S = 2.0  # how long an aborted generation may take to yield its terminal chunk
 ENGINE_CHECK_S = 2.0  # how often the engine's health is checked
+DRAIN_REDIS_GRACE_S = 10.0  # a draining worker drops its replies once Redis has been away this long
 
 
 def new_worker_id() -> str:
@@ -402,6 +403,7 @@ class RequestConsumer:
 
     async def _drain(self) -> None:
         self.draining = True
+        self.publisher.give_up_after_s = DRAIN_REDIS_GRACE_S  # a drain must end even if Redis is gone
         if self._running:
             log.info("draining %d in-flight requests", len(self._running))
             await asyncio.gather(*self._running.values(), return_exceptions=True)

@@ -78,6 +78,10 @@ class ReplyPublisher:
         self._outboxes: dict[str, _Outbox] = {}
         self._seq: dict[str, int] = {}
         self._wake = asyncio.Event()
+        # A draining worker sets how long Redis may stay unreachable before its replies are dropped:
+        # its requests stay unacknowledged, for the gateways and workers to recover as from a crash.
+        self.give_up_after_s: float | None = None
+        self._failing_since: float | None = None
 
     def publish(self, request: RequestEnvelope, chunk: GenerationChunk) -> None:
         outbox = self._outboxes.get(request.request_id)
@@ -154,8 +158,16 @@ class ReplyPublisher:
                             keys.streamed_key(request_id))
             try:
                 await pipe.execute()
+                self._failing_since = None
                 return
             except RedisError as exc:
+                now = time.monotonic()
+                if self._failing_since is None:
+                    self._failing_since = now
+                if self.give_up_after_s is not None and now - self._failing_since >= self.give_up_after_s:
+                    log.error("Redis unreachable for %.0fs while draining: dropping %d reply entries",
+                              now - self._failing_since, len(entries))
+                    return
                 log.warning("publishing replies failed (%s); retrying in %.2fs", exc, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)

@@ -79,3 +79,26 @@ def test_redis_restart(tmp_path):
         gateway.stop()
         worker.stop()
         redis.stop()
+
+
+def test_a_worker_told_to_stop_while_redis_is_gone_still_exits():
+    """SIGTERM drains a worker; its replies cannot be written, so it gives up on them, then exits."""
+    redis = start_redis()
+    model = f"orphan-{uuid.uuid4().hex[:6]}"
+    worker = start_worker(redis.url, model, "--scripted-tokens-per-second", "20")
+    gateway = start_gateway(redis.url)
+    try:
+        wait_until_served(gateway, model)
+        with httpx.stream("POST", f"{gateway.url}/v1/chat/completions",
+                          json=_chat(model, stream=True, max_tokens=100), timeout=30) as response:
+            lines = response.iter_lines()
+            for _ in range(4):  # the request is running on the worker
+                next(lines)
+            redis.kill()
+            worker.popen.terminate()
+            assert worker.popen.wait(60) == 0, "the draining worker retried its replies forever"
+        assert "dropping" in worker.log()
+    finally:
+        gateway.stop()
+        worker.stop()
+        redis.stop()
