@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -22,22 +23,34 @@ def _chat(model: str, **extra) -> dict:
     return {"model": model, "messages": [{"role": "user", "content": "ping pong"}], "max_tokens": 4, **extra}
 
 
-def test_redis_restart(tmp_path):
+@contextlib.contextmanager
+def _streaming(name: str, tokens_per_second: int, max_tokens: int):
+    """A Redis of the test's own, a scripted worker and a gateway, and a stream running on them.
+    Yields the stream's lines still to come and the processes; the test may add to the list."""
     redis = start_redis()
-    port = urlparse(redis.url).port
-    model = f"phoenix-{uuid.uuid4().hex[:6]}"
-    worker = start_worker(redis.url, model, "--scripted-tokens-per-second", "10")
+    model = f"{name}-{uuid.uuid4().hex[:6]}"
+    worker = start_worker(redis.url, model, "--scripted-tokens-per-second", str(tokens_per_second))
     gateway = start_gateway(redis.url)
+    procs = [gateway, worker, redis]
     try:
         wait_until_served(gateway, model)
         with httpx.stream("POST", f"{gateway.url}/v1/chat/completions",
-                          json=_chat(model, stream=True, max_tokens=200), timeout=30) as response:
+                          json=_chat(model, stream=True, max_tokens=max_tokens), timeout=30) as response:
             lines = response.iter_lines()
-            for _ in range(4):
+            for _ in range(4):  # the request is running on the worker
                 next(lines)
-            redis.kill()
-            killed_at = time.monotonic()
-            rest = [line for line in lines if line.startswith("data: ")]
+            yield model, lines, procs
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+def test_redis_restart():
+    with _streaming("phoenix", tokens_per_second=10, max_tokens=200) as (model, lines, procs):
+        gateway, worker, redis = procs
+        redis.kill()
+        killed_at = time.monotonic()
+        rest = [line for line in lines if line.startswith("data: ")]
         in_flight_error_after = time.monotonic() - killed_at
         assert json.loads(rest[-2][6:])["error"]["code"] == 503 and rest[-1] == "data: [DONE]"
         assert in_flight_error_after < 3.0
@@ -51,7 +64,7 @@ def test_redis_restart(tmp_path):
         # still known to the gateway: a 503, never a 404. Pause the worker to hold that window open.
         os.kill(worker.pid, signal.SIGSTOP)
         try:
-            redis = start_redis(port)
+            procs.append(start_redis(urlparse(redis.url).port))
             time.sleep(2 * REFRESH_S)
             unserved = httpx.post(f"{gateway.url}/v1/chat/completions", json=_chat(model), timeout=10)
         finally:
@@ -75,30 +88,13 @@ def test_redis_restart(tmp_path):
         print(f"in-flight error after {in_flight_error_after:.2f}s; served again "
               f"{time.monotonic() - restarted_at:.2f}s after Redis returned")
         assert worker.alive() and gateway.alive()
-    finally:
-        gateway.stop()
-        worker.stop()
-        redis.stop()
 
 
 def test_a_worker_told_to_stop_while_redis_is_gone_still_exits():
     """SIGTERM drains a worker; its replies cannot be written, so it gives up on them, then exits."""
-    redis = start_redis()
-    model = f"orphan-{uuid.uuid4().hex[:6]}"
-    worker = start_worker(redis.url, model, "--scripted-tokens-per-second", "20")
-    gateway = start_gateway(redis.url)
-    try:
-        wait_until_served(gateway, model)
-        with httpx.stream("POST", f"{gateway.url}/v1/chat/completions",
-                          json=_chat(model, stream=True, max_tokens=100), timeout=30) as response:
-            lines = response.iter_lines()
-            for _ in range(4):  # the request is running on the worker
-                next(lines)
-            redis.kill()
-            worker.popen.terminate()
-            assert worker.popen.wait(60) == 0, "the draining worker retried its replies forever"
+    with _streaming("orphan", tokens_per_second=20, max_tokens=100) as (_model, _lines, procs):
+        _gateway, worker, redis = procs
+        redis.kill()
+        worker.popen.terminate()
+        assert worker.popen.wait(60) == 0, "the draining worker retried its replies forever"
         assert "dropping" in worker.log()
-    finally:
-        gateway.stop()
-        worker.stop()
-        redis.stop()
