@@ -406,7 +406,11 @@ class RequestConsumer:
         self.publisher.give_up_after_s = DRAIN_REDIS_GRACE_S  # a drain must end even if Redis is gone
         if self._running:
             log.info("draining %d in-flight requests", len(self._running))
-            await asyncio.gather(*self._running.values(), return_exceptions=True)
+        while self._running:
+            await asyncio.wait(list(self._running.values()), timeout=1.0)
+            if self.publisher.given_up:  # their answers can reach nobody: stop generating them
+                for request_id in list(self._running):
+                    self._spawn(self.cancel(request_id, "shutdown"))
         with contextlib.suppress(RedisError):
             await self.redis.delete(keys.worker_key(self.worker_id))
 

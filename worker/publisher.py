@@ -83,6 +83,12 @@ class ReplyPublisher:
         self.give_up_after_s: float | None = None
         self._failing_since: float | None = None
 
+    @property
+    def given_up(self) -> bool:
+        """Whether replies are being dropped: Redis has been away past `give_up_after_s`."""
+        return (self.give_up_after_s is not None and self._failing_since is not None
+                and time.monotonic() - self._failing_since >= self.give_up_after_s)
+
     def publish(self, request: RequestEnvelope, chunk: GenerationChunk) -> None:
         outbox = self._outboxes.get(request.request_id)
         if outbox is None:
@@ -164,7 +170,7 @@ class ReplyPublisher:
                 now = time.monotonic()
                 if self._failing_since is None:
                     self._failing_since = now
-                if self.give_up_after_s is not None and now - self._failing_since >= self.give_up_after_s:
+                if self.given_up:
                     log.error("Redis unreachable for %.0fs while draining: dropping %d reply entries",
                               now - self._failing_since, len(entries))
                     return
