@@ -6,7 +6,7 @@ as its own task; its chunks go to the `ReplyPublisher`. Cancels arrive on the pu
 and reach the adapter as `abort(request_id)`. Pub/sub is at most once: a notice sent while the
 subscription is down (Redis restarted, a network blip) is lost. The gateway also stashes every
 cancel as `cancelled:{request_id}`, so the worker checks its running requests' stashes after each
-(re)subscription and with every heartbeat: a lost notice still stops its run, a second later.
+(re)subscription and with every heartbeat: a lost notice still stops its run within two seconds.
 A heartbeat key tells the gateways what this worker serves and how busy it is.
 """
 
