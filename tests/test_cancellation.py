@@ -63,6 +63,11 @@ def _events(lines):
         yield json.loads(line[6:])
 
 
+def _finishes(events) -> list[str]:
+    """The finish reasons in a stream's events, in order ([DONE] skipped)."""
+    return [c["finish_reason"] for e in events if e != "[DONE]" for c in e["choices"] if c["finish_reason"]]
+
+
 def _chat(model, **extra):
     return {"model": model, "messages": [{"role": "user", "content": "tick tock"}], "max_tokens": 200, **extra}
 
@@ -122,8 +127,7 @@ def test_explicit_cancel_through_the_other_replica(gateways, slow_worker):
         answer = httpx.post(f"{gateways[1].url}/v1/cancel", json={"cancel_id": cancel_id})
         assert answer.json() == {"cancelled": 1}
         rest = list(events)
-    finishes = [c["finish_reason"] for e in rest if e != "[DONE]" for c in e["choices"] if c["finish_reason"]]
-    assert finishes == ["cancelled"]
+    assert _finishes(rest) == ["cancelled"]
     assert rest[-1] == "[DONE]"
     assert 2 <= rest[-2]["usage"]["completion_tokens"] < 200
     assert _cancels(slow_worker, cause="explicit", phase="decode") == 1
@@ -143,8 +147,7 @@ def _cancelled_stream(gateways, model, lose_the_notice) -> list:
 
 def _ending(rest) -> tuple[list[str], int]:
     """The finish reasons and the completion tokens of a stream's last events."""
-    finishes = [c["finish_reason"] for e in rest if e != "[DONE]" for c in e["choices"] if c["finish_reason"]]
-    return finishes, rest[-2]["usage"]["completion_tokens"]
+    return _finishes(rest), rest[-2]["usage"]["completion_tokens"]
 
 
 def test_a_cancel_whose_notice_never_came_still_stops_the_run(gateways, slow_worker, redis_client):
@@ -183,7 +186,7 @@ def test_cancel_by_response_id(gateways, slow_worker):
         response_id = next(events)["id"]
         assert httpx.post(f"{gateways[0].url}/v1/cancel", json={"id": response_id}).json() == {"cancelled": 1}
         rest = list(events)
-    assert [c["finish_reason"] for e in rest[:-1] for c in e["choices"] if c["finish_reason"]] == ["cancelled"]
+    assert _finishes(rest) == ["cancelled"]
 
 
 def test_cancel_before_the_request_is_sent(gateways, slow_worker):
@@ -249,7 +252,7 @@ def test_worker_drain_finishes_open_streams(redis_url, redis_client, gateways):
         worker.popen.terminate()
         rest = list(events)
     assert rest[-1] == "[DONE]"
-    assert [c["finish_reason"] for e in rest[:-1] for c in e["choices"] if c["finish_reason"]] == ["length"]
+    assert _finishes(rest) == ["length"]
     assert worker.popen.wait(10) == 0
     assert not list(redis_client.scan_iter(match=f"llmfleet:worker:*-{worker.pid}-*"))
 
@@ -267,7 +270,7 @@ def test_gateway_drain_refuses_new_requests_and_finishes_open_ones(redis_url, sl
         assert refused.status_code == 503
         rest = list(events)
     assert rest[-1] == "[DONE]"
-    assert [c["finish_reason"] for e in rest[:-1] for c in e["choices"] if c["finish_reason"]] == ["length"]
+    assert _finishes(rest) == ["length"]
     assert gateway.popen.wait(15) == 0
 
 
