@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 ENGINE ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 STAMP  := $(VENV)/.installed-$(ENGINE)
 
-.PHONY: install up test test-fast lint clean bench parity
+.PHONY: install system-deps up test test-fast lint clean bench parity
 
 install: $(STAMP)
 
@@ -24,10 +24,28 @@ endif
 	rm -f $(VENV)/.installed-*
 	touch $@
 
+# Debian packages of the deployment tiers: docker.io, docker-compose and debootstrap (the compose
+# tier builds its images and base image here), redis-server and redis-sentinel (Redis Cluster,
+# Sentinel, AUTH and TLS tests), prometheus and prometheus-alertmanager (promtool, amtool),
+# iproute2 (network namespaces). Installed only as root on a machine with apt; elsewhere the
+# tiers that need them skip and say why.
+SYSTEM_PACKAGES := docker.io docker-compose debootstrap redis-server redis-sentinel prometheus \
+                   prometheus-alertmanager iproute2 openssl
+SYSTEM_STAMP := $(VENV)/.system-deps
+
+system-deps: $(SYSTEM_STAMP)
+
+$(SYSTEM_STAMP): Makefile
+	@mkdir -p $(VENV)
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	    $(SYSTEM_PACKAGES) >/dev/null && touch $@; \
+	else echo "system-deps: not root or no apt-get; the compose, Redis topology and netns tiers will skip"; fi
+
 up: install
 	$(BIN)/llmfleet up
 
-test: install
+test: install system-deps
 	$(BIN)/python -m pytest -q
 
 test-fast: install
