@@ -51,16 +51,19 @@ def option(name: str, **kwargs):
 @option("max-open-requests", default=20000, type=int, help="Requests this gateway follows before a 429.")
 @option("max-buffered-chunks", default=1024, type=int, help="Reply batches held for a client that stopped "
         "reading; past it the request is cancelled.")
+@option("models", default="", help="Comma-separated models served by workers that may be scaled to zero: "
+        "with no live worker, their requests queue (up to --queue-timeout) instead of getting a 404.")
 def gateway(host: str, port: int, redis_url: str, request_timeout: float, queue_timeout: float,
             drain_grace: float, max_body_bytes: int, max_queue: int, max_open_requests: int,
-            max_buffered_chunks: int) -> None:
+            max_buffered_chunks: int, models: str) -> None:
     """Run a gateway (HTTP API) process."""
     from gateway.fleet import GatewaySettings
     from gateway.main import serve
 
     settings = GatewaySettings(redis_url=redis_url, request_timeout_s=request_timeout, queue_timeout_s=queue_timeout,
                                drain_grace_s=drain_grace, max_body_bytes=max_body_bytes, max_queue=max_queue,
-                               max_open_requests=max_open_requests, max_buffered_chunks=max_buffered_chunks)
+                               max_open_requests=max_open_requests, max_buffered_chunks=max_buffered_chunks,
+                               models=tuple(name.strip() for name in models.split(",") if name.strip()))
     serve(settings, host, port,
           logging.getLevelName(logging.getLogger().level).lower())
 

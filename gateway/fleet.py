@@ -54,6 +54,7 @@ class GatewaySettings:
     max_open_requests: int = 20000  # requests one gateway process follows at once: past it, 429
     max_buffered_chunks: int = 1024  # reply envelopes held for a client that stopped reading
     gateway_id: str = ""
+    models: tuple[str, ...] = ()  # known before any worker serves them: their requests queue, not 404
 
     def __post_init__(self) -> None:
         self.gateway_id = self.gateway_id or uuid.uuid4().hex[:12]
@@ -95,13 +96,26 @@ class Run:
                 yield chunk
 
     def _check_alive(self, deadline: float) -> None:
-        """After a silence: raise if the deadline passed or the streaming worker is gone."""
+        """After a silence: raise if the deadline passed, the streaming worker is gone, or the
+        request outwaited its queue timeout with no worker of its model alive to take it."""
         if time.time() >= deadline:
             self.close(reason="deadline")
             raise ServiceUnavailable("The request timed out before the model answered.", code="request_timeout")
         if self.worker_id and not self.fleet.registry.is_live(self.worker_id):
             self.close(reason="worker_lost")
             raise WorkerLost("The worker generating this response stopped; retry the request.")
+        if self._unclaimed_past_queue_deadline():
+            self.close(reason="queue_timeout")
+            raise ServiceUnavailable(f"No worker is serving the model `{self.envelope.model}` right now: the "
+                                     "request waited for one until its queue timeout.", code="queue_timeout")
+
+    def _unclaimed_past_queue_deadline(self) -> bool:
+        """Nothing came back by the queue deadline (plus the grace) and no worker of the model is
+        alive. With a live worker the gateway waits: the worker that claims the request ends it
+        itself if it is stale, and one that has started it may be in a long prefill."""
+        queue_deadline = self.envelope.queue_deadline
+        return (not self.worker_id and queue_deadline > 0 and time.time() >= queue_deadline + DEADLINE_GRACE_S
+                and not self.fleet.registry.serves(self.envelope.model))
 
     async def first_or_error(self) -> tuple[GenerationChunk, AsyncIterator[GenerationChunk]]:
         """Wait for the first chunk; raise the worker's error if the request failed at once."""
@@ -139,7 +153,7 @@ class Fleet:
                                         wait_s=REDIS_POOL_WAIT_S, client_name=f"gateway-{settings.gateway_id}")
         self.router = ReplyRouter(self.redis, settings.gateway_id, settings.max_buffered_chunks,
                                   on_overflow=self._cancel_slow_client)
-        self.registry = WorkerRegistry(self.redis)
+        self.registry = WorkerRegistry(self.redis, settings.models)
         # Per-request commands share pipelines; the router's blocking read keeps its own connection.
         # Cancel registrations do not wait for a batch: a run's cancel_id must be gone as soon as
         # its answer is, or a cancel sent right after the answer would still find the run.

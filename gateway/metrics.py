@@ -18,3 +18,9 @@ OVERLOADED = Counter("llmfleet_gateway_overloaded_total", "Requests refused with
                      ["model"])
 SLOW_CLIENTS = Counter("llmfleet_gateway_slow_client_cancels_total",
                        "Requests cancelled because their client stopped reading")
+# Fleet-wide figures read from Redis with each registry refresh (every second): every gateway
+# reports the same values, so aggregate them with max(), not sum().
+BACKLOG = Gauge("llmfleet_gateway_backlog", "Requests in the model's queue: waiting for a worker's free slot, "
+                "or running on a worker (claimed, not yet answered)", ["model", "state"])
+LIVE_WORKERS = Gauge("llmfleet_gateway_live_workers", "Workers with a live heartbeat serving the model "
+                     "(draining ones included)", ["model"])

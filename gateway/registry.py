@@ -2,10 +2,15 @@
 
 Workers write a heartbeat key with a short TTL; a gateway refreshes its view every second by
 scanning those keys. A model is *served* while some live worker announces it, and *known* while
-its `model:{name}` key lives (an hour after the last heartbeat): an unknown model is a 404, a
-known model with no live worker is a 503. A gateway also remembers the models it has seen served,
-so a Redis restart (which loses every key) reads as a 503 until the workers announce themselves
-again, never as a 404.
+it is configured on the gateway (`--models`), remembered by this gateway (served within the last
+hour), or its `model:{name}` key lives (an hour after the last heartbeat). An unknown model is a
+404. A known model with no live worker is queued like any other: its backlog is what wakes a
+worker (KEDA scales workers from zero on the request stream's length), and if none starts, the
+gateway ends the request with a 503 at its queue timeout (`Run` in fleet.py). Remembering served
+models keeps a Redis restart (which loses every key) from reading as a 404.
+
+Each refresh also reads every known model's request stream (one pipeline) for the backlog
+gauges: requests waiting for a worker and requests running on one.
 """
 
 from __future__ import annotations
@@ -13,19 +18,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
+from gateway import metrics
 from shared import keys
 from shared.codec import decode
 from shared.envelopes import WorkerInfo
-from shared.errors import EnvelopeError, ModelNotFound, ServiceUnavailable
+from shared.errors import EnvelopeError, ModelNotFound
 
 log = logging.getLogger(__name__)
 
 REFRESH_S = 1.0
+# The context length of a model no live worker announces and this gateway never saw served: the
+# gateway cannot check `max_tokens` against it, so it leaves that check to the worker's engine.
+UNKNOWN_MAX_MODEL_LEN = 2**31 - 1
 
 
 @dataclass(slots=True)
@@ -40,11 +50,19 @@ class ModelView:
         return sum(w.capacity for w in self.workers if not w.draining)
 
 
+@dataclass(slots=True)
+class _Remembered:
+    seen_at: float  # monotonic time this gateway last saw the model served
+    max_model_len: int
+
+
 class WorkerRegistry:
-    def __init__(self, redis: aioredis.Redis):
+    def __init__(self, redis: aioredis.Redis, configured_models: Iterable[str] = ()):
         self.redis = redis
         self.models: dict[str, ModelView] = {}
-        self._seen: dict[str, float] = {}  # model -> when this gateway last saw it served
+        self.configured = frozenset(configured_models)
+        self._remembered: dict[str, _Remembered] = {}
+        self._reported: set[str] = set()  # models with backlog series on /metrics
         self._refreshed = 0.0
 
     async def refresh(self) -> None:
@@ -66,8 +84,13 @@ class WorkerRegistry:
             view.drain_rate = self._drain_rate(view, now)
         self.models = models
         self._refreshed = now
-        self._seen.update((name, now) for name in models)
-        self._seen = {name: at for name, at in self._seen.items() if now - at < keys.MODEL_MEMORY_TTL_S}
+        self._remember(now)
+        await self._refresh_backlog()
+
+    def _remember(self, now: float) -> None:
+        self._remembered.update((v.name, _Remembered(now, v.max_model_len)) for v in self.models.values())
+        self._remembered = {name: memory for name, memory in self._remembered.items()
+                            if now - memory.seen_at < keys.MODEL_MEMORY_TTL_S}
 
     def _drain_rate(self, view: ModelView, now: float) -> float:
         """Completions per second since the last refresh, by worker counters, smoothed (EWMA)."""
@@ -78,6 +101,36 @@ class WorkerRegistry:
         done = sum(w.completed - before[w.worker_id] for w in view.workers if w.worker_id in before)
         return 0.7 * old.drain_rate + 0.3 * max(done, 0) / (now - self._refreshed)
 
+    async def _refresh_backlog(self) -> None:
+        """Set the backlog and live-worker gauges of every known model from its request stream.
+
+        Answered requests are deleted from the stream, so its length is waiting + running, and
+        the group's pending count is running (workers claim only what their free slots can run).
+        Redis's own `lag` is not used: it reads NULL whenever a request answered (and deleted)
+        after the last claim lies between still-unanswered ones, which is the usual state of a
+        busy stream. Every gateway reports the same fleet-wide figures: aggregate with max().
+        """
+        models = sorted(self.known_models())
+        pipe = self.redis.pipeline(transaction=False)
+        for model in models:
+            pipe.xlen(keys.request_stream(model))
+            pipe.xinfo_groups(keys.request_stream(model))
+        replies = await pipe.execute(raise_on_error=False) if models else []
+        for i, model in enumerate(models):
+            length, groups = replies[2 * i], replies[2 * i + 1]
+            if isinstance(length, ResponseError):
+                continue
+            running = _pending(groups)
+            metrics.BACKLOG.labels(model, "waiting").set(max(0, length - running))
+            metrics.BACKLOG.labels(model, "running").set(running)
+            view = self.models.get(model)
+            metrics.LIVE_WORKERS.labels(model).set(len(view.workers) if view else 0)
+        for gone in self._reported - set(models):
+            for series in ((gone, "waiting"), (gone, "running")):
+                metrics.BACKLOG.remove(*series)
+            metrics.LIVE_WORKERS.remove(gone)
+        self._reported = set(models)
+
     async def run(self) -> None:
         while True:
             try:
@@ -86,17 +139,45 @@ class WorkerRegistry:
                 log.warning("refreshing the worker registry failed: %s", exc)
             await asyncio.sleep(REFRESH_S)
 
+    def known_models(self) -> set[str]:
+        """Models served now, configured on this gateway, or seen served by it within the hour."""
+        return set(self.models) | self.configured | set(self._remembered)
+
     def is_live(self, worker_id: str) -> bool:
         return any(w.worker_id == worker_id for view in self.models.values() for w in view.workers)
 
+    def serves(self, model: str) -> bool:
+        """Some live worker (draining or not) announces `model`."""
+        view = self.models.get(model)
+        return view is not None and bool(view.workers)
+
     async def resolve(self, model: str | None) -> ModelView:
-        """The live view of `model`, or the error a client should get for it."""
+        """The view of `model` to queue a request for, or the error a client should get for it.
+
+        A known model without free workers gets a view too, possibly with no workers at all: its
+        requests wait in the queue for a worker to start.
+        """
         if model is None and len(self.models) == 1:
             return next(iter(self.models.values()))
         view = self.models.get(model) if model is not None else None
         if view is not None and view.capacity > 0:
             return view
-        if model is not None and (view is not None or model in self._seen
+        if model is not None and (view is not None or model in self.configured or model in self._remembered
                                   or await self.redis.exists(keys.model_key(model))):
-            raise ServiceUnavailable(f"No worker is serving the model `{model}` right now.")
+            return view or self._unserved_view(model)
         raise ModelNotFound(f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+    def _unserved_view(self, model: str) -> ModelView:
+        memory = self._remembered.get(model)
+        return ModelView(model, memory.max_model_len if memory else UNKNOWN_MAX_MODEL_LEN)
+
+
+def _pending(groups) -> int:
+    """The pending count of the workers' group, from XINFO GROUPS (0 before a worker made it)."""
+    if isinstance(groups, ResponseError):  # no such key: no request was ever queued
+        return 0
+    for group in groups:
+        name = group["name"]
+        if (name.decode() if isinstance(name, bytes) else name) == keys.WORKER_GROUP:
+            return int(group["pending"])
+    return 0

@@ -6,14 +6,16 @@ import contextlib
 import json
 import os
 import signal
+import threading
 import time
 import uuid
 from urllib.parse import urlparse
 
 import httpx
 import pytest
+from redis import Redis
 
-from gateway.registry import REFRESH_S
+from shared import keys
 from tests.procs import start_gateway, start_redis, start_worker, wait_for, wait_until_served
 
 pytestmark = pytest.mark.integration
@@ -61,15 +63,24 @@ def test_redis_restart():
         assert refused.status_code == 503 and time.monotonic() - started < 3.0
 
         # Redis comes back empty. Until a worker announces itself again the model is unserved but
-        # still known to the gateway: a 503, never a 404. Pause the worker to hold that window open.
+        # still known to the gateway: the request queues (never a 404) and is served once the
+        # worker is back. Pause the worker to hold that window open.
         os.kill(worker.pid, signal.SIGSTOP)
+        unserved: list[httpx.Response] = []
         try:
             procs.append(start_redis(urlparse(redis.url).port))
-            time.sleep(2 * REFRESH_S)
-            unserved = httpx.post(f"{gateway.url}/v1/chat/completions", json=_chat(model), timeout=10)
+            wait_for(lambda: httpx.get(f"{gateway.url}/ready", timeout=5).status_code == 200, 10, "the gateway")
+            wait_for(lambda: model not in {m["id"] for m in httpx.get(f"{gateway.url}/v1/models").json()["data"]},
+                     10, "the gateway's registry to see no live worker")
+            queued = threading.Thread(target=lambda: unserved.append(
+                httpx.post(f"{gateway.url}/v1/chat/completions", json=_chat(model), timeout=30)))
+            queued.start()
+            new_redis = Redis.from_url(redis.url)
+            wait_for(lambda: new_redis.xlen(keys.request_stream(model)) == 1, 10, "the request to be queued")
         finally:
             os.kill(worker.pid, signal.SIGCONT)
-        assert unserved.status_code == 503, unserved.text
+        queued.join(30)
+        assert unserved and unserved[0].status_code == 200, unserved and unserved[0].text
         restarted_at = time.monotonic()
         statuses = set()
 
