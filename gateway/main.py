@@ -1,6 +1,10 @@
 """The gateway process: uvicorn (uvloop, httptools) serving the FastAPI app.
 
-SIGTERM drains: /ready turns 503 and new requests are refused at once, open requests get up to
+SIGTERM drains. The gateway first leaves its load balancer's set of replicas: it closes its
+listening socket at once, so a new connection is refused and nginx (`proxy_next_upstream error`)
+or a client's retry takes another replica. A request that still reaches it, on a connection a
+client kept alive, is answered 503 ("shutting down", never queued) with `Connection: close`, so
+the client's retry opens a new connection; /ready turns 503 too. Open requests get up to
 `drain_grace_s` to finish, then uvicorn shuts down. A second SIGTERM or SIGINT exits at once.
 """
 
@@ -36,11 +40,40 @@ class DrainingServer(uvicorn.Server):
         self._drain = asyncio.get_running_loop().create_task(self._drain_then_exit(fleet))
 
     async def _drain_then_exit(self, fleet) -> None:
+        # In the loop, not in the signal handler: uvloop's server must not be closed mid-callback.
+        # uvicorn's own shutdown closes the servers again later, which does nothing.
+        for server in self.servers:
+            server.close()
         deadline = time.monotonic() + self.grace_s
         log.info("draining %d open requests (grace %.0fs)", fleet.router.open_requests, self.grace_s)
         while fleet.router.open_requests and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         self.should_exit = True
+
+
+class CloseWhenDraining:
+    """Add `Connection: close` to every response a draining gateway starts, so that no client
+    sends it another request on that connection.
+
+    Requests that start before the drain pass straight through: their SSE writes are never
+    wrapped, which keeps the hot path as it was.
+    """
+
+    def __init__(self, app: FastAPI):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        fleet = getattr(self.app.state, "fleet", None)
+        if scope["type"] != "http" or fleet is None or not fleet.draining:
+            await self.app(scope, receive, send)
+            return
+
+        async def send_closing(message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, receive, send_closing)
 
 
 def serve(settings: GatewaySettings, host: str, port: int, log_level: str = "info") -> None:
@@ -50,7 +83,7 @@ def serve(settings: GatewaySettings, host: str, port: int, log_level: str = "inf
     # Idle keep-alive connections outlive those of the proxies and clients in front (nginx,
     # cloud load balancers: 60 s): a peer must never reuse a connection the gateway is closing,
     # which would surface as a reset on a request the gateway never saw.
-    config = uvicorn.Config(app, host=host, port=port, loop="uvloop", http="httptools", log_level=log_level,
+    config = uvicorn.Config(CloseWhenDraining(app), host=host, port=port, loop="uvloop", http="httptools", log_level=log_level,
                             access_log=False, proxy_headers=False, timeout_graceful_shutdown=5,
                             timeout_keep_alive=75)
     # The modules loaded so far live as long as the process: keep them out of every collection,

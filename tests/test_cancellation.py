@@ -257,17 +257,29 @@ def test_worker_drain_finishes_open_streams(redis_url, redis_client, gateways):
     assert not list(redis_client.scan_iter(match=f"llmfleet:worker:*-{worker.pid}-*"))
 
 
+def _refuses_connections(url: str) -> bool:
+    try:
+        httpx.get(f"{url}/health", timeout=1)
+    except httpx.ConnectError:
+        return True
+    return False
+
+
 def test_gateway_drain_refuses_new_requests_and_finishes_open_ones(redis_url, slow_worker):
+    """A draining gateway refuses new connections at once (a load balancer moves on to another
+    replica); a request on a connection kept alive from before gets a 503 and that connection ends."""
     gateway = start_gateway(redis_url)
     model = _served([gateway], slow_worker)
-    with httpx.stream("POST", f"{gateway.url}/v1/chat/completions",
-                      json=_chat(model, stream=True, max_tokens=30)) as response:
+    with httpx.Client(base_url=gateway.url) as client, \
+            client.stream("POST", "/v1/chat/completions", json=_chat(model, stream=True, max_tokens=30)) as response:
         events = _events(response.iter_lines())
         next(events)
+        assert client.get("/health").status_code == 200  # a second connection, idle in the pool
         gateway.popen.terminate()
-        wait_for(lambda: httpx.get(f"{gateway.url}/ready").status_code == 503, 5, "/ready to turn 503")
-        refused = httpx.post(f"{gateway.url}/v1/chat/completions", json=_chat(model))
+        wait_for(lambda: _refuses_connections(gateway.url), 5, "the gateway to refuse new connections")
+        refused = client.post("/v1/chat/completions", json=_chat(model))
         assert refused.status_code == 503
+        assert refused.headers["connection"] == "close"
         rest = list(events)
     assert rest[-1] == "[DONE]"
     assert _finishes(rest) == ["length"]
