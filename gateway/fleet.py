@@ -73,6 +73,7 @@ class Run:
         self.closed_at = 0.0
         self.worker_id = ""
         self._next_seq = 0
+        self._lease = 0  # the newest lease of the request heard from (`ChunkEnvelope.lease`)
 
     async def chunks(self) -> AsyncIterator[GenerationChunk]:
         """Every chunk of the request, in order, ending with its terminal chunk."""
@@ -83,8 +84,13 @@ class Run:
             if envelope is None:  # a silence of up to SILENCE_CHECK_S (ReplyRouter.watch_silence)
                 self._check_alive(deadline)
                 continue
+            if envelope.lease and envelope.lease < self._lease:  # from a worker that lost the request
+                metrics.STALE_REPLIES.inc()
+                continue
             self.worker_id = envelope.worker_id
             if envelope.seq >= 0:  # -1: an ending the gateway made itself
+                if envelope.lease > self._lease:
+                    self._follow_lease(envelope.lease)
                 if envelope.seq != self._next_seq:
                     self.close(reason="lost_chunks")
                     raise ServiceUnavailable("Part of the response was lost in transit (the queue restarted); "
@@ -94,6 +100,14 @@ class Run:
                 if chunk.done:
                     self.finished = True
                 yield chunk
+
+    def _follow_lease(self, lease: int) -> None:
+        """Follow the worker holding the newest lease. One that took the request over starts it
+        anew: if an earlier worker's output already reached the client, the response cannot go on."""
+        if self._next_seq > 0:
+            self.close(reason="worker_lost")
+            raise WorkerLost("The worker generating this response stopped mid-stream; retry the request.")
+        self._lease = lease
 
     def _check_alive(self, deadline: float) -> None:
         """After a silence: raise if the deadline passed, the streaming worker is gone, or the

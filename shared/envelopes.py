@@ -265,15 +265,22 @@ class ChunkEnvelope:
     chunks: list[GenerationChunk]
     worker_id: str = ""
     v: int = WIRE_VERSION
+    # The fencing token of the worker's lease on the request (0: none, from an older worker). A
+    # worker that takes a request over holds a later lease with a larger token, so a gateway can
+    # drop what the worker that lost the request still had on the wire.
+    lease: int = 0
 
     def to_wire(self) -> dict[str, Any]:
-        return {
+        wire = {
             "v": self.v,
             "request_id": self.request_id,
             "seq": self.seq,
             "worker_id": self.worker_id,
             "chunks": [c.to_wire() for c in self.chunks],
         }
+        if self.lease:
+            wire["lease"] = self.lease
+        return wire
 
     @classmethod
     def from_wire(cls, data: Any) -> ChunkEnvelope:

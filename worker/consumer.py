@@ -8,6 +8,13 @@ subscription is down (Redis restarted, a network blip) is lost. The gateway also
 cancel as `cancelled:{request_id}`, so the worker checks its running requests' stashes after each
 (re)subscription and with every heartbeat: a lost notice still stops its run within two seconds.
 A heartbeat key tells the gateways what this worker serves and how busy it is.
+
+A running request is this worker's while it holds the request's lease, which the heartbeat
+renews. A worker cut off from Redis cannot renew it: once the lease may have lapsed (another
+worker can then take the request over), the worker aborts the request and publishes nothing more
+for it, neither its chunks nor its ending nor its acknowledgement. What it had already put on the
+wire can still land when the link comes back: every chunk carries its lease's fencing token, and
+gateways drop chunks of a lease older than one they have heard from.
 """
 
 from __future__ import annotations
@@ -38,6 +45,17 @@ log = logging.getLogger(__name__)
 
 ABORT_GRACE_S = 2.0  # how long an aborted generation may take to yield its terminal chunk
 ENGINE_CHECK_S = 2.0  # how often the engine's health is checked
+LEASE_CHECK_S = 0.1  # how often leases are checked for renewals that did not come
+LEASE_MARGIN_S = 0.25  # a lease counts as lost this long before Redis could let it lapse
+
+# KEYS[1]: a request's lease; ARGV: worker id, TTL in seconds. Takes the lease if nobody holds it and
+# returns its fencing token, Redis's clock in microseconds; 0 if it is held. A later lease of the
+# request is taken on the same server after this one lapsed, so it gets a larger token.
+_TAKE_LEASE = """
+if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then return 0 end
+local now = redis.call('TIME')
+return tonumber(now[1]) * 1000000 + tonumber(now[2])
+"""
 DRAIN_REDIS_GRACE_S = 10.0  # a draining worker drops its replies once Redis has been away this long
 
 
@@ -69,6 +87,11 @@ class RequestConsumer:
         self._progress: dict[str, _Progress] = {}
         self._background: set[asyncio.Task] = set()
         self._slot_freed = asyncio.Event()
+        self._take_lease = self.batched.register_script(_TAKE_LEASE)
+        # Request id -> when (monotonic) its lease may lapse, less LEASE_MARGIN_S: the last renewal
+        # Redis confirmed was sent LEASE_TTL_S before that. Only leases still held are here.
+        self._lease_until: dict[str, float] = {}
+        self._leases_lost: set[str] = set()
 
     @property
     def in_flight(self) -> int:
@@ -85,6 +108,7 @@ class RequestConsumer:
                 tasks.create_task(self._listen_for_cancels()),
                 tasks.create_task(self.reclaim_requests()),
                 tasks.create_task(self._watch_engine()),
+                tasks.create_task(self._watch_leases()),
             ]
             try:
                 await self.claim_requests()
@@ -180,6 +204,9 @@ class RequestConsumer:
 
     def _finished(self, request_id: str) -> None:
         self._running.pop(request_id, None)
+        self._lease_until.pop(request_id, None)
+        self._leases_lost.discard(request_id)
+        self.publisher.release(request_id)
         self._cancel_requested.pop(request_id, None)
         metrics.IN_FLIGHT.labels(self.model).set(self.in_flight)
         self._slot_freed.set()
@@ -204,17 +231,20 @@ class RequestConsumer:
     async def run_request(self, entry_id: str, request: RequestEnvelope, reclaimed: bool = False) -> None:
         metrics.IN_FLIGHT.labels(self.model).set(self.in_flight)
         try:
-            leased, stashed, streamed = await (
+            asked = time.monotonic()
+            lease, (stashed, streamed) = await asyncio.gather(
+                self._take_lease(keys=[keys.lease_key(request.request_id)], args=[self.worker_id, keys.LEASE_TTL_S]),
                 self.batched.pipeline(transaction=False)
-                .set(keys.lease_key(request.request_id), self.worker_id, nx=True, ex=keys.LEASE_TTL_S)
                 .getdel(keys.cancelled_key(request.request_id))  # a cancel stashed while queued, consumed once
                 .exists(keys.streamed_key(request.request_id))
                 .execute())
         except RedisError as exc:
             log.warning("could not lease request %s (%s); leaving it for a retry", request.request_id, exc)
             return
-        if not leased:
+        if not lease:
             return  # its worker is alive and holds the lease (and owns any cancel that came meanwhile)
+        self._lease_until[request.request_id] = asked + keys.LEASE_TTL_S - LEASE_MARGIN_S
+        self.publisher.hold(request.request_id, lease)
         if reclaimed:
             metrics.RECLAIMED.labels(self.model).inc()
         else:
@@ -222,6 +252,8 @@ class RequestConsumer:
         terminal = self._refuse_unstarted(request, stashed, bool(streamed))
         if terminal is None:
             terminal = await self._generate(request)
+        if request.request_id in self._leases_lost:  # its answer is for the worker that took it over
+            return
         if self._cancel_requested.get(request.request_id) == "deadline":
             _mark_deadline(terminal)
         metrics.REQUESTS.labels(self.model, terminal.finish_reason or "unknown").inc()
@@ -342,6 +374,28 @@ class RequestConsumer:
         finally:
             await pubsub.aclose()
 
+    def _renewed(self, request_ids: list[str], sent: float) -> None:
+        """Redis confirmed the renewals sent at `sent`: those leases hold until LEASE_TTL_S after it."""
+        for request_id in request_ids:
+            if request_id in self._lease_until:  # not lost meanwhile: a late renewal revives nothing
+                self._lease_until[request_id] = max(self._lease_until[request_id],
+                                                    sent + keys.LEASE_TTL_S - LEASE_MARGIN_S)
+
+    async def _watch_leases(self) -> None:
+        """Give up each running request whose lease may lapse: Redis has not confirmed a renewal
+        (this worker is cut off from it, or it is down) for nearly LEASE_TTL_S."""
+        while True:
+            await asyncio.sleep(LEASE_CHECK_S)
+            now = time.monotonic()
+            for request_id in [rid for rid, until in self._lease_until.items() if now >= until]:
+                del self._lease_until[request_id]
+                self._leases_lost.add(request_id)
+                self.publisher.drop(request_id)
+                log.warning("request %s: no lease renewal reached Redis for %.1fs; another worker may take it "
+                            "over: aborting it here, publishing nothing more for it", request_id,
+                            keys.LEASE_TTL_S - LEASE_MARGIN_S)
+                self._spawn(self.cancel(request_id, "lease_lost"))
+
     async def _stashed_cancels(self, pipe) -> dict[str, str]:
         """Run `pipe` with a GET of each running request's cancel stash added; the causes of the
         stashed cancels that have not reached their request, by request id."""
@@ -389,10 +443,12 @@ class RequestConsumer:
             pipe = (self.redis.pipeline(transaction=False)
                     .set(keys.worker_key(self.worker_id), encode(info), ex=keys.HEARTBEAT_TTL_S)
                     .set(keys.model_key(self.model), b"1", ex=keys.MODEL_MEMORY_TTL_S))
-            for request_id in self._running:
+            renewing, sent = list(self._lease_until), time.monotonic()
+            for request_id in renewing:
                 pipe.expire(keys.lease_key(request_id), keys.LEASE_TTL_S)
             try:
                 stashed = await self._stashed_cancels(pipe)
+                self._renewed(renewing, sent)
             except RedisError as exc:
                 log.warning("heartbeat failed: %s", exc)
                 stashed = {}

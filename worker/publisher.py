@@ -38,6 +38,7 @@ class _Outbox:
     chunks: list[GenerationChunk] = field(default_factory=list)
     ack: tuple[str, str, str] | None = None  # (request stream, entry id, request id) once terminal
     flushed: asyncio.Future | None = None
+    lease: int = 0  # the fencing token of this worker's lease on the request
 
 
 @dataclass(slots=True)
@@ -46,10 +47,17 @@ class _Entry:
     reply_to: str
     envelopes: list[bytes] = field(default_factory=list)
     size: int = 0
+    request_ids: list[str] = field(default_factory=list)  # of each envelope
 
-    def add(self, data: bytes) -> None:
+    def add(self, data: bytes, request_id: str) -> None:
         self.envelopes.append(data)
+        self.request_ids.append(request_id)
         self.size += len(data)
+
+    def remove(self, request_id: str) -> None:
+        kept = [(rid, data) for rid, data in zip(self.request_ids, self.envelopes, strict=True) if rid != request_id]
+        self.request_ids, self.envelopes = [rid for rid, _ in kept], [data for _, data in kept]
+        self.size = sum(len(data) for data in self.envelopes)
 
     def value(self) -> dict[bytes, bytes]:
         if len(self.envelopes) == 1:
@@ -77,6 +85,10 @@ class ReplyPublisher:
         self.coalesce_s = coalesce_s
         self._outboxes: dict[str, _Outbox] = {}
         self._seq: dict[str, int] = {}
+        self._leases: dict[str, int] = {}  # request id -> fencing token of this worker's lease on it
+        self._dropped: set[str] = set()  # requests whose lease this worker lost
+        # What the write under way sends (its entries, first outputs, acks), each time it retries.
+        self._in_flight: tuple[list[_Entry], list[str], list[tuple[str, str, str]]] = ([], [], [])
         self._wake = asyncio.Event()
         # A draining worker sets how long Redis may stay unreachable before its replies are dropped:
         # its requests stay unacknowledged, for the gateways and workers to recover as from a crash.
@@ -89,17 +101,48 @@ class ReplyPublisher:
         return (self.give_up_after_s is not None and self._failing_since is not None
                 and time.monotonic() - self._failing_since >= self.give_up_after_s)
 
+    def hold(self, request_id: str, lease: int) -> None:
+        """Publish for `request_id` under this worker's lease on it (`ChunkEnvelope.lease`)."""
+        self._leases[request_id] = lease
+
+    def drop(self, request_id: str) -> None:
+        """Publish nothing more for a request whose lease this worker lost (another worker may own
+        it now): its queued chunks are discarded, and its later chunks, ending and acknowledgement
+        ignored until `release`. A write already on the wire still lands; gateways drop its
+        chunks by their lease."""
+        self._dropped.add(request_id)
+        self._outboxes.pop(request_id, None)
+        self._seq.pop(request_id, None)
+        entries, first_outputs, acks = self._in_flight  # a retry of the write under way leaves it out
+        for entry in entries:
+            entry.remove(request_id)
+        entries[:] = [entry for entry in entries if entry.envelopes]
+        first_outputs[:] = [rid for rid in first_outputs if rid != request_id]
+        acks[:] = [ack for ack in acks if ack[2] != request_id]
+
+    def release(self, request_id: str) -> None:
+        """Forget a request that has ended on this worker."""
+        self._leases.pop(request_id, None)
+        self._dropped.discard(request_id)
+
     def publish(self, request: RequestEnvelope, chunk: GenerationChunk) -> None:
+        if request.request_id in self._dropped:
+            return
         outbox = self._outboxes.get(request.request_id)
         if outbox is None:
             outbox = self._outboxes[request.request_id] = _Outbox(request.reply_to, request.request_id,
-                                                                  request.batch_replies)
+                                                                  request.batch_replies,
+                                                                  lease=self._leases.get(request.request_id, 0))
         outbox.chunks.append(chunk)
         self._wake.set()
 
     def finish(self, request: RequestEnvelope, terminal: GenerationChunk,
                ack: tuple[str, str, str] | None) -> asyncio.Future:
         """Queue the terminal chunk; the future resolves once it (and the ack) is in Redis."""
+        if request.request_id in self._dropped:  # its ending and its ack are the new owner's
+            nothing = asyncio.get_running_loop().create_future()
+            nothing.set_result(None)
+            return nothing
         self.publish(request, terminal)
         outbox = self._outboxes[request.request_id]
         outbox.ack = ack
@@ -123,21 +166,26 @@ class ReplyPublisher:
         first_outputs = []  # requests whose first output (not their ending) goes out now
         for outbox in outboxes:
             seq = self._seq.get(outbox.request_id, 0)
-            data = encode(ChunkEnvelope(outbox.request_id, seq, _coalesce(outbox.chunks), self.worker_id))
+            data = encode(ChunkEnvelope(outbox.request_id, seq, _coalesce(outbox.chunks), self.worker_id,
+                                        lease=outbox.lease))
             entry = batches.get(outbox.reply_to) if outbox.batch else None
             if entry is None or entry.size + len(data) > BATCH_LIMIT_BYTES:
                 entry = _Entry(outbox.reply_to)
                 entries.append(entry)
                 if outbox.batch:
                     batches[outbox.reply_to] = entry
-            entry.add(data)
+            entry.add(data, outbox.request_id)
             if seq == 0 and outbox.ack is None:
                 first_outputs.append(outbox.request_id)
             if outbox.flushed is not None:
                 self._seq.pop(outbox.request_id, None)
             else:
                 self._seq[outbox.request_id] = seq + 1
-        await self._write(entries, first_outputs, [outbox.ack for outbox in outboxes if outbox.ack is not None])
+        self._in_flight = (entries, first_outputs, [outbox.ack for outbox in outboxes if outbox.ack is not None])
+        try:
+            await self._write(*self._in_flight)
+        finally:
+            self._in_flight = ([], [], [])
         for outbox in outboxes:
             if outbox.flushed is not None and not outbox.flushed.done():
                 outbox.flushed.set_result(None)

@@ -103,10 +103,12 @@ def test_redis_restart():
 
 def test_a_worker_told_to_stop_while_redis_is_gone_still_exits():
     """SIGTERM drains a worker; its replies cannot be written, so it gives up on them, stops the
-    generation (100 s long), and exits."""
+    generation (100 s long), and exits. (Its lease on the request lapses first: it aborts the
+    request as one another worker may take over, before the drain's own 10 s limit on Redis.)"""
     with _streaming("orphan", tokens_per_second=20, max_tokens=2000) as (_model, _lines, procs):
         _gateway, worker, redis = procs
         redis.kill()
         worker.popen.terminate()
         assert worker.popen.wait(60) == 0, "the draining worker did not give up on Redis"
-        assert "dropping" in worker.log()
+        log = worker.log()
+        assert "dropping" in log or "publishing nothing more for it" in log, log[-3000:]
