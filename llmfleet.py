@@ -6,6 +6,7 @@ underscores): `--redis-url` is LLMFLEET_REDIS_URL, `--max-concurrency` LLMFLEET_
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -38,10 +39,30 @@ def option(name: str, **kwargs):
     return click.option(f"--{name}", envvar=_env(name), show_envvar=True, **kwargs)
 
 
+def redis_options(command):
+    """--redis-url and --redis-ca-file, checked and merged into the one `redis_url` the command gets."""
+    @functools.wraps(command)
+    def merged(*args, redis_url: str, redis_ca_file: str | None, **kwargs):
+        from shared import redis_pool
+
+        try:
+            redis_url = redis_pool.with_ca_file(redis_url, redis_ca_file)
+            redis_pool.parse_url(redis_url)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--redis-url") from exc
+        return command(*args, redis_url=redis_url, **kwargs)
+
+    merged = option("redis-ca-file", default=None, type=click.Path(exists=True, dir_okay=False),
+                    help="CA certificate that a rediss:// server's certificate must chain to.")(merged)
+    return option("redis-url", default=DEFAULT_REDIS_URL, help="redis://, rediss:// (TLS), "
+                  "redis+sentinel://[:password@]host:port[,host:port...]/service_name[/db] or "
+                  "redis+cluster://[:password@]host:port[,host:port...]")(merged)
+
+
 @main.command()
 @option("host", default="0.0.0.0")
 @option("port", default=8000, type=int)
-@option("redis-url", default=DEFAULT_REDIS_URL)
+@redis_options
 @option("request-timeout", default=600.0, type=float, help="Seconds before a request is abandoned (default and "
         "cap of a request's `timeout`).")
 @option("queue-timeout", default=60.0, type=float, help="Seconds a request may wait for a worker before a 503.")
@@ -72,7 +93,7 @@ def gateway(host: str, port: int, redis_url: str, request_timeout: float, queue_
 @option("model", required=True, help="Model path or name, as for `vllm serve`.")
 @option("engine", default="vllm", type=click.Choice(["vllm", "scripted"]))
 @option("served-model-name", default=None, help="Name clients use (default: --model).")
-@option("redis-url", default=DEFAULT_REDIS_URL)
+@redis_options
 @option("max-concurrency", default=64, type=int, help="Requests run at once by this worker.")
 @option("metrics-port", default=0, type=int, help="Serve Prometheus metrics on this port (0: off).")
 @option("claim-idle", default=3.0, type=float, help="Seconds before a dead worker's request is taken over.")

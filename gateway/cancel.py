@@ -9,14 +9,18 @@ streaming through another. Three paths reach a worker:
 - a run not registered yet (the cancel beat the request to the gateway): `cancel-early:{id}`
   is stashed, and registering a run with that cancel_id consumes it atomically.
 
-Registering a run and cancelling by cancel_id are each one Lua script, so there is no
-check-then-act window between them. A finished run leaves `cancel-id:{id}` = "done" behind
-(for as long as the run could have lasted), so a late cancel for it is a no-op instead of a
-stash that could hit a later run.
+Registering a run's cancel_id and cancelling by cancel_id are each one Lua script on the two
+keys of that cancel_id (one cluster slot), so there is no check-then-act window between them.
+`cancel-id:{id}` holds the request id exactly while the run is registered: a cancel by
+cancel_id needs nothing else, so the run's own key (`run:{request_id}`, another slot, for
+cancels by response id) is written beside the script, not in it. A finished run leaves
+`cancel-id:{id}` = "done" behind (for as long as the run could have lasted), so a late cancel
+for it is a no-op instead of a stash that could hit a later run.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import redis.asyncio as aioredis
@@ -27,11 +31,10 @@ from shared.envelopes import CancelNotice
 
 DONE = b"done"
 
-# KEYS: cancel-id, cancel-early, run; ARGV: request_id, ttl, gateway_id. Returns 1 if cancelled early.
+# KEYS: cancel-id, cancel-early; ARGV: request_id, ttl. Returns 1 if cancelled early.
 _REGISTER = """
 if redis.call('DEL', KEYS[2]) == 1 then return 1 end
 redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
-redis.call('SET', KEYS[3], ARGV[3], 'EX', ARGV[2])
 return 0
 """
 
@@ -53,11 +56,14 @@ class CancelRegistry:
 
     async def register(self, request_id: str, cancel_id: str | None, ttl: int) -> bool:
         """Record a run before it is queued; True if a cancel for its cancel_id came first."""
+        registered = self.redis.set(keys.run_key(request_id), self.gateway_id, ex=ttl)
         if cancel_id is None:
-            await self.redis.set(keys.run_key(request_id), self.gateway_id, ex=ttl)
+            await registered
             return False
-        keys_ = [keys.cancel_id_key(cancel_id), keys.early_cancel_key(cancel_id), keys.run_key(request_id)]
-        return bool(await self._register(keys=keys_, args=[request_id, ttl, self.gateway_id]))
+        # Side by side: the two keys may live on different cluster nodes.
+        _, early = await asyncio.gather(registered, self._register(
+            keys=[keys.cancel_id_key(cancel_id), keys.early_cancel_key(cancel_id)], args=[request_id, ttl]))
+        return bool(early)
 
     async def finish(self, request_id: str, cancel_id: str | None, ttl: int) -> None:
         pipe = self.redis.pipeline(transaction=False).delete(keys.run_key(request_id))
@@ -70,7 +76,10 @@ class CancelRegistry:
         pipe = self.redis.pipeline(transaction=False)
         for request_id in request_ids:
             pipe.set(keys.cancelled_key(request_id), reason, ex=keys.CANCEL_MEMORY_TTL_S)
-        pipe.publish(keys.CANCEL_CHANNEL, encode(CancelNotice(request_ids, reason, sent_at=sent_at or time.time())))
+        # As a raw command: a cluster pipeline refuses `publish()`, but sends PUBLISH to a node,
+        # and a cluster passes it to the subscribers of every node.
+        pipe.execute_command("PUBLISH", keys.CANCEL_CHANNEL,
+                             encode(CancelNotice(request_ids, reason, sent_at=sent_at or time.time())))
         await pipe.execute()
 
     async def cancel(self, *, cancel_id: str | None = None, request_id: str | None = None) -> int:
@@ -80,8 +89,8 @@ class CancelRegistry:
                                              args=[keys.CANCEL_MEMORY_TTL_S])
             if found is None or found == DONE:
                 return 0
-            request_id = found.decode()
-        if request_id is None or not await self.redis.exists(keys.run_key(request_id)):
+            request_id = found.decode()  # registered and not finished: no need to look for its run
+        elif request_id is None or not await self.redis.exists(keys.run_key(request_id)):
             return 0
         await self.cancel_requests([request_id], "explicit")
         return 1

@@ -1,29 +1,50 @@
 """Every Redis key, stream and channel name llmfleet uses, with its bound.
 
-| name                              | type    | bound                                       |
-|-----------------------------------|---------|---------------------------------------------|
-| llmfleet:requests:{model}         | stream  | MAXLEN ~REQUEST_STREAM_MAXLEN; entries are   |
-|                                   |         | XDEL'd by the worker once answered          |
-| llmfleet:replies:{gateway_id}     | stream  | MAXLEN ~REPLY_STREAM_MAXLEN, TTL refreshed  |
-|                                   |         | by its gateway; workers never create it     |
-| llmfleet:worker:{worker_id}       | string  | TTL HEARTBEAT_TTL_S                         |
-| llmfleet:model:{model}            | string  | TTL MODEL_MEMORY_TTL_S ("was served lately")|
-| llmfleet:run:{request_id}         | string  | TTL: the request's deadline (its gateway)   |
-| llmfleet:cancelled:{request_id}   | string  | TTL CANCEL_MEMORY_TTL_S; consumed by the    |
-|                                   |         | worker that claims the request              |
-| llmfleet:cancel-id:{cancel_id}    | string  | TTL: the run's deadline; "done" afterwards  |
-| llmfleet:cancel-early:{cancel_id} | string  | TTL CANCEL_MEMORY_TTL_S; consumed when the  |
-|                                   |         | run with that cancel_id registers           |
-| llmfleet:lease:{request_id}       | string  | TTL LEASE_TTL_S, renewed by the worker      |
-|                                   |         | running the request                         |
-| llmfleet:streamed:{request_id}    | string  | TTL: the request's deadline; set with the   |
-|                                   |         | first published chunk                       |
-| llmfleet:dead-letter:{model}      | stream  | MAXLEN ~DEAD_LETTER_MAXLEN: envelopes no    |
-|                                   |         | worker could decode, with the reason        |
-| llmfleet:cancel                   | pub/sub | no storage                                  |
+A name's `{...}` is its Redis Cluster hash tag: Redis hashes only that part to pick the key's
+slot, so keys with the same tag live on one node. Each command or script that names several
+keys names keys of one tag (one request, one run's cancel_id, one model, or the worker
+heartbeats), which is what Redis Cluster requires of it; on a single server the tags are just
+part of the name. `<...>` is a placeholder.
+
+| name                                 | type    | bound                                    |
+|--------------------------------------|---------|------------------------------------------|
+| llmfleet:requests:{<model>}          | stream  | MAXLEN ~REQUEST_STREAM_MAXLEN; entries   |
+|                                      |         | are XDEL'd by the worker once answered   |
+| llmfleet:dead-letter:{<model>}       | stream  | MAXLEN ~DEAD_LETTER_MAXLEN: envelopes no |
+|                                      |         | worker could decode, with the reason     |
+| llmfleet:model:{<model>}             | string  | TTL MODEL_MEMORY_TTL_S ("was served      |
+|                                      |         | lately")                                 |
+| llmfleet:replies:{<gateway_id>}      | stream  | MAXLEN ~REPLY_STREAM_MAXLEN, TTL         |
+|                                      |         | refreshed by its gateway; workers never  |
+|                                      |         | create it                                |
+| llmfleet:worker:{workers}:<worker_id>| string  | TTL HEARTBEAT_TTL_S; one tag for all, so |
+|                                      |         | a gateway reads them with one MGET       |
+| llmfleet:run:{<request_id>}          | string  | TTL: the request's deadline (its gateway)|
+| llmfleet:cancelled:{<request_id>}    | string  | TTL CANCEL_MEMORY_TTL_S; consumed by the |
+|                                      |         | worker that claims the request           |
+| llmfleet:lease:{<request_id>}        | string  | TTL LEASE_TTL_S, renewed by the worker   |
+|                                      |         | running the request                      |
+| llmfleet:streamed:{<request_id>}     | string  | TTL CANCEL_MEMORY_TTL_S; set with the    |
+|                                      |         | first published chunk                    |
+| llmfleet:cancel-id:{<cancel_id>}     | string  | TTL: the run's deadline; "done"          |
+|                                      |         | afterwards                               |
+| llmfleet:cancel-early:{<cancel_id>}  | string  | TTL CANCEL_MEMORY_TTL_S; consumed when   |
+|                                      |         | the run with that cancel_id registers    |
+| llmfleet:cancel                      | pub/sub | no storage; in a cluster a PUBLISH       |
+|                                      |         | reaches the subscribers of every node    |
+
+The keys that share a slot, and the operation that needs it:
+- `{<model>}`: a poison entry's XADD to the dead letters, XACK and XDEL, in order on one node.
+- `{<request_id>}`: the worker's lease/cancel-stash/streamed check, and the one DEL of all three
+  when the request ends.
+- `{<cancel_id>}`: the register and cancel-by-id scripts (`gateway/cancel.py`).
+- `{workers}`: the registry's MGET of every heartbeat.
+Commands on keys of different tags share pipelines, never a command or a script.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 PREFIX = "llmfleet"
 
@@ -48,48 +69,60 @@ ENVELOPE_FIELD = b"e"  # a stream entry's one envelope
 BATCH_FIELD = b"b"
 
 
+def _tag(value: str) -> str:
+    """`{value}`: the hash tag that puts every key of `value` in one cluster slot.
+
+    Redis ignores an empty tag (it hashes the whole key instead), which a value starting with
+    `}` would make: such a value is tagged with a digest of itself, `{digest}value:`. Names stay
+    distinct: the part of an ordinary value ends in `}`, that of a digest-tagged one in `:`.
+    """
+    if not value or value[0] == "}":
+        return "{" + hashlib.sha1(value.encode(), usedforsecurity=False).hexdigest()[:16] + "}" + value + ":"
+    return "{" + value + "}"
+
+
 def request_stream(model: str) -> str:
-    return f"{PREFIX}:requests:{model}"
-
-
-def reply_stream(gateway_id: str) -> str:
-    return f"{PREFIX}:replies:{gateway_id}"
-
-
-def worker_key(worker_id: str) -> str:
-    return f"{PREFIX}:worker:{worker_id}"
-
-
-WORKER_KEY_PATTERN = f"{PREFIX}:worker:*"
-
-
-def model_key(model: str) -> str:
-    return f"{PREFIX}:model:{model}"
-
-
-def run_key(request_id: str) -> str:
-    return f"{PREFIX}:run:{request_id}"
-
-
-def cancelled_key(request_id: str) -> str:
-    return f"{PREFIX}:cancelled:{request_id}"
-
-
-def cancel_id_key(cancel_id: str) -> str:
-    return f"{PREFIX}:cancel-id:{cancel_id}"
-
-
-def early_cancel_key(cancel_id: str) -> str:
-    return f"{PREFIX}:cancel-early:{cancel_id}"
-
-
-def lease_key(request_id: str) -> str:
-    return f"{PREFIX}:lease:{request_id}"
-
-
-def streamed_key(request_id: str) -> str:
-    return f"{PREFIX}:streamed:{request_id}"
+    return f"{PREFIX}:requests:{_tag(model)}"
 
 
 def dead_letter_stream(model: str) -> str:
-    return f"{PREFIX}:dead-letter:{model}"
+    return f"{PREFIX}:dead-letter:{_tag(model)}"
+
+
+def model_key(model: str) -> str:
+    return f"{PREFIX}:model:{_tag(model)}"
+
+
+def reply_stream(gateway_id: str) -> str:
+    return f"{PREFIX}:replies:{_tag(gateway_id)}"
+
+
+WORKER_KEY_PATTERN = f"{PREFIX}:worker:{{workers}}:*"
+
+
+def worker_key(worker_id: str) -> str:
+    return f"{PREFIX}:worker:{{workers}}:{worker_id}"
+
+
+def run_key(request_id: str) -> str:
+    return f"{PREFIX}:run:{_tag(request_id)}"
+
+
+def cancelled_key(request_id: str) -> str:
+    return f"{PREFIX}:cancelled:{_tag(request_id)}"
+
+
+def lease_key(request_id: str) -> str:
+    return f"{PREFIX}:lease:{_tag(request_id)}"
+
+
+def streamed_key(request_id: str) -> str:
+    return f"{PREFIX}:streamed:{_tag(request_id)}"
+
+
+def cancel_id_key(cancel_id: str) -> str:
+    return f"{PREFIX}:cancel-id:{_tag(cancel_id)}"
+
+
+def early_cancel_key(cancel_id: str) -> str:
+    return f"{PREFIX}:cancel-early:{_tag(cancel_id)}"

@@ -12,6 +12,9 @@ grow with the load and a lone command waits for no timer.
 
 Only for commands that answer at once: blocking reads (XREAD, XREADGROUP) and pub/sub keep
 connections of their own. Transactions (MULTI/EXEC) are not batched.
+
+The client under it may be a Redis Cluster's: its pipeline sends each node its share of a
+batch, and a script is loaded on every primary (`script_load`), which a pipeline cannot do.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 _Queued = tuple[tuple, dict, asyncio.Future]
@@ -29,8 +33,10 @@ _Queued = tuple[tuple, dict, asyncio.Future]
 class BatchedRedis(aioredis.Redis):
     """A client on `redis`'s connection pool whose commands go out in shared pipelines; `run()` sends them."""
 
-    def __init__(self, redis: aioredis.Redis):
-        super().__init__(connection_pool=redis.connection_pool)
+    def __init__(self, redis: aioredis.Redis | RedisCluster):
+        # A cluster client has no single pool: then this one gets an idle pool of its own, which
+        # nothing uses, since every command is queued and transactions go to `redis`.
+        super().__init__(connection_pool=getattr(redis, "connection_pool", None))
         self._direct = redis
         self._queued: list[_Queued] = []
         self._wake = asyncio.Event()
@@ -46,8 +52,12 @@ class BatchedRedis(aioredis.Redis):
 
     def pipeline(self, transaction: bool = True, shard_hint: str | None = None) -> Pipeline:
         if transaction:
-            return super().pipeline(transaction, shard_hint)
+            return self._direct.pipeline(transaction, shard_hint)
         return _QueuedPipeline(self)
+
+    async def script_load(self, script) -> str:
+        """Load a script (after a NOSCRIPT reply), on every primary of a cluster."""
+        return await self._direct.script_load(script)
 
     async def run(self) -> None:
         try:

@@ -15,6 +15,7 @@ import uuid
 import httpx
 import pytest
 
+from shared import keys
 from tests.conftest import leftover_keys
 from tests.procs import metric_value, start_gateway, start_worker, wait_for, wait_until_served
 
@@ -155,7 +156,7 @@ def test_a_cancel_whose_notice_never_came_still_stops_the_run(gateways, slow_wor
     model = _served(gateways, slow_worker)
     # The gateway's cancel, minus its notice: only the stash.
     rest = _cancelled_stream(gateways, model, lambda request_id: redis_client.set(
-        f"llmfleet:cancelled:{request_id}", "explicit", ex=60))
+        keys.cancelled_key(request_id), "explicit", ex=60))
     finishes, tokens = _ending(rest)
     assert finishes == ["cancelled"] and tokens < 200
     assert metric_value(slow_worker.url, "llmfleet_worker_cancels_from_stash_total") == 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from shared import keys
 from tests.conftest import SCRIPTED_MODEL, leftover_keys
 
 pytestmark = pytest.mark.integration
@@ -72,7 +73,7 @@ CASES = [
 @pytest.mark.parametrize("name, path, body, expected, param", CASES, ids=[c[0] for c in CASES])
 def test_invalid_request(scripted_fleet, redis_client, name, path, body, expected, param):
     gateway = scripted_fleet[0][0]
-    stream_key = f"llmfleet:requests:{M}"
+    stream_key = keys.request_stream(M)
     queued_before = redis_client.xlen(stream_key)
     url = f"{gateway.url}/v1/{'chat/completions' if path == 'chat' else 'completions'}"
     if isinstance(body, bytes):

@@ -9,8 +9,9 @@ not 64, for Redis and for the gateway that reads it. (A gateway that did not ask
 round trips per batch instead of one per token, and a slow one still gets each token out at once.
 
 The terminal chunk of a request is written in the same pipeline as the XACK and XDEL of its
-request entry, after every earlier chunk: the gateway never sees a request end twice, and the
-entry is only acknowledged once its answer is in Redis.
+request entry (on a Redis Cluster, in the pipeline before them), after every earlier chunk: the
+gateway never sees a request end twice, and the entry is only acknowledged once its answer is
+in Redis.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from shared import keys
+from shared import keys, redis_pool
 from shared.codec import MAX_ENVELOPE_BYTES, encode, encode_batch
 from shared.envelopes import ChunkEnvelope, GenerationChunk, RequestEnvelope
 
@@ -81,6 +82,7 @@ def _coalesce(chunks: list[GenerationChunk]) -> list[GenerationChunk]:
 class ReplyPublisher:
     def __init__(self, redis: aioredis.Redis, worker_id: str, coalesce_s: float = 0.002):
         self.redis = redis
+        self._ordered = redis_pool.pipelines_run_in_order(redis)
         self.worker_id = worker_id
         self.coalesce_s = coalesce_s
         self._outboxes: dict[str, _Outbox] = {}
@@ -192,24 +194,39 @@ class ReplyPublisher:
 
     async def _write(self, entries: list[_Entry], first_outputs: list[str],
                      acks: list[tuple[str, str, str]]) -> None:
-        """The entries, then what the requests' first outputs and endings change: one pipeline.
+        """The entries, then what the requests' first outputs and endings change.
 
-        Redis runs a pipeline in order, so a request's entry is in its stream before its request
-        is acknowledged.
+        A request's entry is in its stream before its request is acknowledged. One server runs a
+        pipeline in order, so that is one pipeline; a cluster runs each node's share of a
+        pipeline at once, so there the acknowledgements follow in a second one.
         """
-        delay = 0.05
-        while True:
-            pipe = self.redis.pipeline(transaction=False)
+        def add_entries(pipe) -> None:
             for entry in entries:
                 pipe.xadd(entry.reply_to, entry.value(), maxlen=keys.REPLY_STREAM_MAXLEN, approximate=True,
                           nomkstream=True)
             for request_id in first_outputs:  # output is on its way to the client: never run it again
                 pipe.set(keys.streamed_key(request_id), b"1", ex=keys.CANCEL_MEMORY_TTL_S)
+
+        def acknowledge(pipe) -> None:
             for stream, entry_id, request_id in acks:
                 pipe.xack(stream, keys.WORKER_GROUP, entry_id)
                 pipe.xdel(stream, entry_id)
                 pipe.delete(keys.cancelled_key(request_id), keys.lease_key(request_id),
-                            keys.streamed_key(request_id))
+                            keys.streamed_key(request_id))  # one slot: the request's
+
+        if self._ordered or not acks:
+            await self._execute(len(entries), add_entries, acknowledge)
+        else:
+            await self._execute(len(entries), add_entries)
+            await self._execute(0, acknowledge)
+
+    async def _execute(self, n_entries: int, *writes) -> None:
+        """One pipeline of `writes`, retried until Redis takes it (or a draining worker gives up)."""
+        delay = 0.05
+        while True:
+            pipe = self.redis.pipeline(transaction=False)
+            for write in writes:
+                write(pipe)
             try:
                 await pipe.execute()
                 self._failing_since = None
@@ -220,7 +237,7 @@ class ReplyPublisher:
                     self._failing_since = now
                 if self.given_up:
                     log.error("Redis unreachable for %.0fs while draining: dropping %d reply entries",
-                              now - self._failing_since, len(entries))
+                              now - self._failing_since, n_entries)
                     return
                 log.warning("publishing replies failed (%s); retrying in %.2fs", exc, delay)
                 await asyncio.sleep(delay)

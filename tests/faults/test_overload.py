@@ -9,6 +9,7 @@ import uuid
 import httpx
 import pytest
 
+from shared import keys
 from tests.conftest import leftover_keys
 from tests.procs import metric_value, start_gateway, start_worker, wait_for, wait_until_served
 
@@ -29,7 +30,7 @@ def test_full_queue_is_a_429_with_retry_after(redis_url, redis_client):
                                     kwargs={"json": _chat(model), "timeout": 60}) for _ in range(3)]
         for thread in waiting:
             thread.start()
-        wait_for(lambda: redis_client.xlen(f"llmfleet:requests:{model}") == 3, 10, "one running and two queued")
+        wait_for(lambda: redis_client.xlen(keys.request_stream(model)) == 3, 10, "one running and two queued")
         started = time.monotonic()
         refused = httpx.post(f"{gateway.url}/v1/chat/completions", json=_chat(model))
         assert time.monotonic() - started < 1.0

@@ -6,6 +6,7 @@ import msgpack
 import openai
 import pytest
 
+from shared import keys
 from tests.conftest import SCRIPTED_MODEL, leftover_keys
 from tests.procs import wait_for
 
@@ -23,7 +24,7 @@ POISON = [
 
 def test_poison_messages_are_dead_lettered(scripted_fleet, redis_client):
     gateways, _workers = scripted_fleet
-    stream, dead = f"llmfleet:requests:{SCRIPTED_MODEL}", f"llmfleet:dead-letter:{SCRIPTED_MODEL}"
+    stream, dead = keys.request_stream(SCRIPTED_MODEL), keys.dead_letter_stream(SCRIPTED_MODEL)
     before = redis_client.xlen(dead)
     for fields, _reason in POISON:
         redis_client.xadd(stream, fields)
