@@ -6,17 +6,21 @@ scripted workers; `vllm` tests run a real vLLM worker on the tiny model. All run
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import redis
 
-from tests.procs import Proc, start_gateway, start_redis, start_worker, wait_until_served
+from shared import redis_pool
+from tests.procs import Proc, start_gateway, start_redis, start_redis_cluster, start_worker, wait_until_served
 
 SCRIPTED_MODEL = "scripted-model"
 
 
 @pytest.fixture(scope="session")
 def redis_proc():
-    proc = start_redis()
+    """One redis-server; with LLMFLEET_TEST_REDIS=cluster, a Redis Cluster of three primaries."""
+    proc = start_redis_cluster() if os.environ.get("LLMFLEET_TEST_REDIS") == "cluster" else start_redis()
     yield proc
     proc.stop()
 
@@ -27,8 +31,8 @@ def redis_url(redis_proc: Proc) -> str:
 
 
 @pytest.fixture(scope="session")
-def redis_client(redis_url: str) -> redis.Redis:
-    return redis.Redis.from_url(redis_url)
+def redis_client(redis_url: str) -> redis.Redis | redis.RedisCluster:
+    return redis_pool.connect_sync(redis_url)
 
 
 @pytest.fixture(scope="session")

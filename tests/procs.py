@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +17,7 @@ import httpx
 import redis
 
 from llmfleet import find_redis_server
+from shared import redis_pool
 
 ROOT = Path(__file__).resolve().parent.parent
 LOG_DIR = Path(os.environ.get("LLMFLEET_TEST_LOGS", "/tmp/llmfleet-test-logs"))
@@ -100,6 +103,73 @@ def start_redis(port: int | None = None) -> Proc:
     return proc
 
 
+@dataclass
+class RedisCluster:
+    """A Redis Cluster of `redis-server` processes on loopback, all primaries."""
+    nodes: list[Proc]
+    url: str
+    directory: Path  # the nodes' cluster configuration files
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def start_redis_cluster(primaries: int = 3) -> RedisCluster:
+    """Start `primaries` cluster-enabled servers and join them (`redis-cli --cluster create`)."""
+    directory = Path(tempfile.mkdtemp(prefix="llmfleet-cluster-"))
+    ports = [_free_cluster_port() for _ in range(primaries)]
+    nodes = [spawn(f"redis-cluster-{port}", [
+        find_redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+        "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf", "--cluster-node-timeout", "2000",
+        "--dir", str(directory)]) for port in ports]
+    cluster = RedisCluster(nodes, "redis+cluster://" + ",".join(f"127.0.0.1:{port}" for port in ports), directory)
+    try:
+        for port in ports:
+            wait_for(lambda port=port: _answers(f"redis://127.0.0.1:{port}/0"), 10, f"cluster node {port} to answer")
+        subprocess.run([shutil.which("redis-cli") or "redis-cli", "--cluster", "create",
+                        *(f"127.0.0.1:{port}" for port in ports), "--cluster-replicas", "0", "--cluster-yes"],
+                       check=True, capture_output=True, timeout=60)
+        wait_for(lambda: all(_cluster_ok(port) for port in ports), 30, "every cluster slot to be served")
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+def server_clients(client: redis.Redis | redis.RedisCluster) -> list[redis.Redis]:
+    """A client of each server: `client` itself, or one per node of a cluster."""
+    if isinstance(client, redis.RedisCluster):
+        return [client.get_redis_connection(node) for node in client.get_nodes()]
+    return [client]
+
+
+def _free_cluster_port() -> int:
+    """A free port whose cluster bus port (10000 above it, at most 65535) is free too."""
+    while True:
+        port = free_port()
+        if port > 55535:
+            continue
+        with socket.socket() as bus:
+            try:
+                bus.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+
+
+def _answers(url: str) -> bool:
+    try:
+        return bool(redis_pool.connect_sync(url).ping())
+    except (redis.RedisError, OSError):
+        return False
+
+
+def _cluster_ok(port: int) -> bool:
+    return redis.Redis(host="127.0.0.1", port=port).cluster("INFO").get("cluster_state") == "ok"
+
+
 def wait_until_answers(proc: Proc, path: str, timeout: float) -> None:
     """Poll GET `proc.url + path` until it answers 200; fail at once if the process exits."""
     def answers():
@@ -132,7 +202,7 @@ def start_worker(redis_url: str, model: str, *args: str, engine: str = "scripted
     ], env)
     proc.url = f"http://127.0.0.1:{metrics_port}"
     proc.extra["model"] = name
-    client = redis.Redis.from_url(redis_url)
+    client = redis_pool.connect_sync(redis_url)
 
     def registered():
         if not proc.alive():

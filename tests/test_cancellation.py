@@ -17,7 +17,7 @@ import pytest
 
 from shared import keys
 from tests.conftest import leftover_keys
-from tests.procs import metric_value, start_gateway, start_worker, wait_for, wait_until_served
+from tests.procs import metric_value, server_clients, start_gateway, start_worker, wait_for, wait_until_served
 
 pytestmark = pytest.mark.integration
 
@@ -167,10 +167,11 @@ def test_a_cancel_sent_while_the_worker_resubscribes_still_stops_the_run(gateway
     model = _served(gateways, slow_worker)
 
     def cut_the_subscription_then_cancel(request_id):
-        subscriptions = [c for c in redis_client.client_list(_type="pubsub")
-                         if f"-{slow_worker.pid}-" in c["name"]]
+        subscriptions = [(server, c) for server in server_clients(redis_client)
+                         for c in server.client_list(_type="pubsub") if f"-{slow_worker.pid}-" in c["name"]]
         assert len(subscriptions) == 1, "the worker's connections are named after it"
-        redis_client.client_kill_filter(_id=subscriptions[0]["id"])
+        server, subscription = subscriptions[0]
+        server.client_kill_filter(_id=subscription["id"])
         # The worker waits before it subscribes again: this notice reaches nobody.
         answer = httpx.post(f"{gateways[1].url}/v1/cancel", json={"id": f"chatcmpl-{request_id}"})
         assert answer.json() == {"cancelled": 1}
