@@ -20,6 +20,7 @@ from urllib.parse import urlparse
 import click
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+LOWEST_PRIORITY = 19  # the nice value of `llmfleet up`'s workers
 CACHE_DIR = Path(os.environ.get("LLMFLEET_CACHE_DIR", Path.home() / ".cache" / "llmfleet"))
 
 
@@ -164,8 +165,10 @@ def tiny_model(directory: str) -> None:
 def up(port: int, redis_url: str, model: str | None) -> None:
     """Run the whole stack here: Redis (if none answers), one gateway, one vLLM worker."""
     stack = Stack()
-    # SIGTERM (docker stop, a supervisor) stops the children too, as Ctrl-C does.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # SIGTERM (docker stop, a supervisor) and SIGHUP (the terminal closed) stop the children too, as
+    # Ctrl-C does: the worker runs in a session of its own, which the terminal does not signal.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda *_: sys.exit(0))
     try:
         if not _redis_answers(redis_url):
             redis_url = stack.start_redis(redis_url)
@@ -173,7 +176,7 @@ def up(port: int, redis_url: str, model: str | None) -> None:
         stack.spawn("gateway", "--port", str(port), "--redis-url", redis_url)
         stack.spawn("worker", "--model", model, "--served-model-name", "tiny" if "tiny" in model else model,
                     "--redis-url", redis_url, "--max-model-len", "2048", "--enforce-eager", "--dtype", "float32",
-                    env={"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")})
+                    env={"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}, lowest_priority=True)
         base_url = f"http://127.0.0.1:{port}"
         served = stack.wait_until_served(base_url)
         click.echo(_welcome(base_url, served))
@@ -215,6 +218,41 @@ def find_redis_server() -> str:
     return str(Path(spec.origin).parent / "bin" / "redis-server")
 
 
+def lower_priority(pid: int) -> str:
+    """Give process `pid`, the leader of a session of its own, the lowest CPU priority; say what was done.
+
+    A CPU engine busy-loops every core. The scheduler shares the CPU between autogroups (one per
+    session) before it shares a group's part between its processes by their nice values, so
+    plain nice alone does not keep the engine from starving a gateway in another session: a
+    cancel once waited for a whole generation. Hence both: the session's autogroup at nice 19
+    (everything the worker starts stays in its session), and plain nice 19, which the threads
+    and processes it starts later inherit, and which is all there is where autogroups are not.
+    """
+    try:
+        os.setpriority(os.PRIO_PROCESS, pid, LOWEST_PRIORITY)
+        done = f"nice {LOWEST_PRIORITY}"
+    except OSError as exc:
+        done = f"nice unchanged ({exc.strerror})"
+    return f"{done}, {_set_autogroup_nice(pid, LOWEST_PRIORITY)}"
+
+
+def _set_autogroup_nice(pid: int, nice: int) -> str:
+    try:
+        if Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "0":
+            return "autogroups disabled (kernel.sched_autogroup_enabled=0)"
+    except OSError:
+        return "no autogroups in this kernel"
+    for _attempt in range(10):
+        try:
+            Path(f"/proc/{pid}/autogroup").write_text(str(nice))
+            return f"autogroup nice {nice}"
+        except BlockingIOError:  # the kernel takes one autogroup change per 100 ms, machine-wide
+            time.sleep(0.1)
+        except OSError as exc:
+            return f"autogroup unchanged ({exc.strerror})"
+    return "autogroup unchanged (busy)"
+
+
 class Stack:
     """Child processes of `llmfleet up`, stopped together (SIGTERM, then SIGKILL)."""
 
@@ -234,9 +272,17 @@ class Stack:
             time.sleep(0.1)
         return url
 
-    def spawn(self, command: str, *args: str, env: dict[str, str] | None = None) -> None:
-        proc = subprocess.Popen([sys.executable, "-m", "llmfleet", command, *args], env={**os.environ, **(env or {})})
+    def spawn(self, command: str, *args: str, env: dict[str, str] | None = None,
+              lowest_priority: bool = False) -> subprocess.Popen:
+        """Start `llmfleet COMMAND ARGS`; with `lowest_priority`, in a session of its own at the
+        lowest CPU priority (`lower_priority`), so that it cannot starve the gateway."""
+        proc = subprocess.Popen([sys.executable, "-m", "llmfleet", command, *args], env={**os.environ, **(env or {})},
+                                start_new_session=lowest_priority)
         self.children.append((command, proc))
+        if lowest_priority:
+            logging.getLogger("llmfleet").info("%s (pid %d) runs at the lowest CPU priority: %s", command, proc.pid,
+                                               lower_priority(proc.pid))
+        return proc
 
     def wait_until_served(self, base_url: str, timeout: float = 300) -> list[str]:
         import httpx
