@@ -157,8 +157,9 @@ def _report(outcomes: list[Outcome], killed_at: float, switch: dict, healed_at: 
         print(f"  requests started {phase}: {dict(counts)}")
 
 
-def test_the_sentinel_pool_is_bounded_and_blocking(sentinels):
-    """A command waits for one of `max_connections`, then gives up with a ConnectionError."""
+def test_the_sentinel_pool_keeps_the_manners_of_the_single_server_one(sentinels):
+    """A command waits for one of `max_connections`, then gives up with a ConnectionError;
+    connections are named; uvloop's write to a closed socket is a ConnectionError."""
     async def scenario():
         client = redis_pool.connect(sentinels.url, max_connections=2, wait_s=0.3, client_name="bounded")
         try:
@@ -170,6 +171,13 @@ def test_the_sentinel_pool_is_bounded_and_blocking(sentinels):
             assert 0.25 < time.monotonic() - started < 1.0
             await asyncio.gather(*blocking)
             assert await client.client_getname() == "bounded"
+            connection = await client.connection_pool.get_connection()
+            try:
+                connection._writer.transport.abort()  # the socket is gone, as when the primary dies
+                with pytest.raises(redis.ConnectionError, match="handler is closed"):
+                    await connection.send_packed_command(b"*1\r\n$4\r\nPING\r\n", check_health=False)
+            finally:
+                await client.connection_pool.release(connection)
         finally:
             await client.aclose()
 
