@@ -71,8 +71,11 @@ class SentinelSet:
 
 
 def start_sentinel_set(directory: Path, service: str = "llmfleet", down_after_ms: int = 1000) -> SentinelSet:
-    primary = start_server("--repl-diskless-sync-delay", "0")  # the replica syncs at once, not 5 s later
-    replica = start_server("--replicaof", "127.0.0.1", str(primary.extra["port"]))
+    for name in ("primary", "replica"):  # where the replica keeps the copy it syncs
+        (directory / name).mkdir()
+    primary = start_server("--dir", str(directory / "primary"),
+                           "--repl-diskless-sync-delay", "0")  # the replica syncs at once, not 5 s later
+    replica = start_server("--dir", str(directory / "replica"), "--replicaof", "127.0.0.1", str(primary.extra["port"]))
     sentinels = []
     try:
         wait_for(lambda: _in_sync(replica), 30, "the replica to sync with the primary")
