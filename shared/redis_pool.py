@@ -84,7 +84,7 @@ def parse_url(url: str) -> RedisTarget:
     if unknown := set(options) - _OPTIONS[scheme]:
         raise ValueError(f"unknown option(s) {', '.join(sorted(unknown))} in {_redacted(url)}")
     path = [unquote(p) for p in parts.path.split("/") if p]
-    common = dict(nodes=nodes, username=unquote(username) or None, password=unquote(password) or None)
+    common = {"nodes": nodes, "username": unquote(username) or None, "password": unquote(password) or None}
     if scheme == CLUSTER_SCHEME:
         if path:
             raise ValueError(f"a Redis Cluster has only database 0: drop the path of {_redacted(url)}")
@@ -131,15 +131,16 @@ def connect(url: str, *, max_connections: int, wait_s: float,
             client_name: str) -> aioredis.Redis | RedisCluster:
     """A client on a pool of at most `max_connections`; a command waits `wait_s` for one."""
     target = parse_url(url)
-    options = dict(socket_connect_timeout=2, health_check_interval=10, client_name=client_name)
+    options = {"socket_connect_timeout": 2, "health_check_interval": 10, "client_name": client_name}
     if target.topology == "cluster":
         return _BoundedCluster(startup_nodes=[ClusterNode(host, port) for host, port in target.nodes],
                                permits=max_connections, wait_s=wait_s, username=target.username,
                                password=target.password,
                                max_connections=max_connections + CLUSTER_PUBSUB_CONNECTIONS, **options)
     if target.topology == "sentinel":
-        sentinels = Sentinel(target.nodes, sentinel_kwargs=dict(
-            socket_connect_timeout=2, socket_timeout=2, password=target.sentinel_password, client_name=client_name))
+        sentinels = Sentinel(target.nodes, sentinel_kwargs={
+            "socket_connect_timeout": 2, "socket_timeout": 2, "password": target.sentinel_password,
+            "client_name": client_name})
         return sentinels.master_for(target.service_name, connection_pool_class=_BlockingSentinelPool,
                                     connection_class=_closed_socket_is_connection_error(SentinelManagedConnection),
                                     max_connections=max_connections, timeout=wait_s, db=target.db,
@@ -157,8 +158,8 @@ def connect_sync(url: str) -> redis.Redis | redis.RedisCluster:
         return redis.RedisCluster(startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in target.nodes],
                                   username=target.username, password=target.password, socket_connect_timeout=2)
     if target.topology == "sentinel":
-        sentinels = redis.sentinel.Sentinel(target.nodes, sentinel_kwargs=dict(
-            socket_connect_timeout=2, socket_timeout=2, password=target.sentinel_password))
+        sentinels = redis.sentinel.Sentinel(target.nodes, sentinel_kwargs={
+            "socket_connect_timeout": 2, "socket_timeout": 2, "password": target.sentinel_password})
         return sentinels.master_for(target.service_name, db=target.db, username=target.username,
                                     password=target.password, socket_connect_timeout=2)
     return redis.Redis.from_url(url, socket_connect_timeout=2)

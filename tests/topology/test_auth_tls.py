@@ -7,10 +7,10 @@ why in its log, rather than failing requests one by one or not at all.
 
 from __future__ import annotations
 
+import sys
+
 import httpx
 import pytest
-
-import sys
 
 from shared import redis_pool
 from tests.conftest import leftover_keys

@@ -46,7 +46,8 @@ def test_a_bad_url_says_what_is_wrong_and_hides_the_password(url, message):
 
 
 def test_the_ca_file_joins_a_tls_url_only():
-    assert with_ca_file("rediss://h:6380/0", "/etc/ca dir/ca.pem") == "rediss://h:6380/0?ssl_ca_certs=/etc/ca%20dir/ca.pem"
+    assert (with_ca_file("rediss://h:6380/0", "/etc/ca dir/ca.pem")
+            == "rediss://h:6380/0?ssl_ca_certs=/etc/ca%20dir/ca.pem")
     assert with_ca_file("rediss://h/0?x=1", "/ca.pem") == "rediss://h/0?x=1&ssl_ca_certs=/ca.pem"
     assert with_ca_file("redis://h/0", None) == "redis://h/0"
     with pytest.raises(ValueError, match="needs a rediss:// URL"):

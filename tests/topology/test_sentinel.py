@@ -15,6 +15,7 @@ import json
 import threading
 import time
 from dataclasses import dataclass
+from typing import Self
 
 import httpx
 import pytest
@@ -88,7 +89,7 @@ class Load:
                 if kind != "ok":
                     time.sleep(0.05)  # a failing gateway answers at once: do not spin
 
-    def __enter__(self) -> Load:
+    def __enter__(self) -> Self:
         for thread in self._threads:
             thread.start()
         return self
