@@ -7,6 +7,7 @@ scripted workers; `vllm` tests run a real vLLM worker on the tiny model. All run
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import redis
@@ -20,7 +21,10 @@ SCRIPTED_MODEL = "scripted-model"
 @pytest.fixture(scope="session")
 def redis_proc():
     """One redis-server; with LLMFLEET_TEST_REDIS=cluster, a Redis Cluster of three primaries."""
-    proc = start_redis_cluster() if os.environ.get("LLMFLEET_TEST_REDIS") == "cluster" else start_redis()
+    cluster = os.environ.get("LLMFLEET_TEST_REDIS") == "cluster"
+    if cluster and shutil.which("redis-cli") is None:
+        pytest.skip("LLMFLEET_TEST_REDIS=cluster: no redis-cli to create the cluster (Debian: redis-tools)")
+    proc = start_redis_cluster() if cluster else start_redis()
     yield proc
     proc.stop()
 
