@@ -30,7 +30,7 @@ endif
 # iproute2 (network namespaces). Installed only as root on a machine with apt; elsewhere the
 # tiers that need them skip and say why.
 SYSTEM_PACKAGES := docker.io docker-compose debootstrap redis-server redis-sentinel prometheus \
-                   prometheus-alertmanager iproute2 openssl
+                   prometheus-alertmanager iproute2 openssl redis-tools
 SYSTEM_STAMP := $(VENV)/.system-deps
 
 system-deps: $(SYSTEM_STAMP)
@@ -45,8 +45,15 @@ $(SYSTEM_STAMP): Makefile
 up: install
 	$(BIN)/llmfleet up
 
+# Then the fleet, cancel and fault tests again on a 3-primary Redis Cluster (redis+cluster://):
+# the hash-tagged keys must hold there too. (test_redis_restart and test_partition bring their own
+# plain Redis; the soak and the vLLM tier run once.)
 test: install system-deps
 	$(BIN)/python -m pytest -q
+	LLMFLEET_TEST_REDIS=cluster $(BIN)/python -m pytest -q -m "integration and not vllm" \
+	  tests/test_fleet.py tests/test_cancellation.py tests/test_cancel_stress.py tests/test_invalid_requests.py \
+	  tests/faults --ignore=tests/faults/test_soak.py --ignore=tests/faults/test_redis_restart.py \
+	  --ignore=tests/faults/test_partition.py
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not vllm"
