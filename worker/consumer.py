@@ -455,7 +455,9 @@ class RequestConsumer:
             # A stash seen by two heartbeats in a row had a second for its notice to arrive: it was lost.
             self._cancel_missed({rid: cause for rid, cause in stashed.items() if rid in stashed_before})
             stashed_before = stashed
-            await asyncio.sleep(keys.HEARTBEAT_INTERVAL_S)
+            # One beat per interval, counted from when this one was sent: a slow Redis delays the next
+            # renewal by no more than it has to, so the leases do not look lost sooner than they are.
+            await asyncio.sleep(max(0.0, keys.HEARTBEAT_INTERVAL_S - (time.monotonic() - sent)))
 
     async def _drain(self) -> None:
         self.draining = True
