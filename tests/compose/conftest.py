@@ -1,4 +1,4 @@
-"""The compose tier's stack: images built and the stack brought up once for the session.
+"""The compose tier's stack: images built and the stack brought up once, for tests/compose/test_stack.py.
 
 Where Docker cannot be had the tier skips and says why; with LLMFLEET_COMPOSE_REQUIRED=1 (CI)
 that is a failure instead. How long each step took goes to the log directory
@@ -84,7 +84,7 @@ def _build(stack: ComposeStack, env: dict[str, str], log) -> None:
         TIMINGS[f"build_{target}_s"] = elapsed(started)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # down before the rest of the suite runs
 def stack(docker_daemon):
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     log = LOG_DIR / "compose-tier.log"

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import httpx
 import yaml
+from packaging.utils import canonicalize_name
 
 from llmfleet import CACHE_DIR
 from tests.procs import LOG_DIR, ROOT, wait_for
@@ -124,16 +125,30 @@ class WheelServer:
 
     def __enter__(self) -> WheelServer:
         self.directory.mkdir(parents=True, exist_ok=True)
-        for lock in LOCKS:  # files already there are not fetched again
-            run(sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(self.directory), "-r", str(lock),
-                log=self.log)
+        for lock in LOCKS:
+            if not self._has_every_wheel(lock):  # pip download would still ask the indexes (15 s)
+                run(sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(self.directory), "-r",
+                    str(lock), log=self.log)
         handler = partial(_QuietHandler, directory=str(self.directory))
         try:
             self.server = ThreadingHTTPServer(("127.0.0.1", WHEEL_PORT), handler)
         except OSError:  # the port is taken: any port works, the dependency layers just rebuild
             self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+            with self.log.open("a") as out:
+                out.write(f"port {WHEEL_PORT} is taken: wheels served on {self.server.server_port}, so the "
+                          "images' dependency layers are rebuilt\n")
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         return self
+
+    def _has_every_wheel(self, lock: Path) -> bool:
+        present = {path.name.lower() for path in self.directory.glob("*.whl")}
+        for line in lock.read_text().splitlines():
+            if line and not line.startswith("#"):
+                name, version = line.split("==")
+                prefix = f"{canonicalize_name(name).replace('-', '_')}-{version}-".lower()
+                if not any(file.startswith(prefix) for file in present):
+                    return False
+        return True
 
     @property
     def pip_args(self) -> str:
