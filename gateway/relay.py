@@ -5,6 +5,9 @@ accepted it; an entry holds one envelope, or the envelopes of many requests publ
 (`keys.BATCH_FIELD`). A single `ReplyRouter` task reads that stream in batches (XREAD COUNT)
 and hands each envelope to the queue of its request, so a gateway holding thousands of open
 requests still has one blocking read and one Redis connection for replies.
+
+The router's loops end at their next turn after `stop()` (a read blocks for at most
+READ_BLOCK_MS), even if a cancel was lost on the way (`shared.stopping`).
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ from shared import keys
 from shared.codec import decode, decode_batch
 from shared.envelopes import ChunkEnvelope, GenerationChunk
 from shared.errors import EnvelopeError, ServiceUnavailable
+from shared.stopping import pause
 
 log = logging.getLogger(__name__)
 
 READ_BATCH = 1000
+READ_BLOCK_MS = 1000  # the longest a read waits for replies, so the longest `run` takes to see a stop
 SILENCE = None  # put in a request's queue by `watch_silence`: nothing came, look around
 
 
@@ -37,6 +42,7 @@ class ReplyRouter:
         self._routes: dict[str, asyncio.Queue[ChunkEnvelope | None]] = {}
         self._last_id = "$"
         self.connected = asyncio.Event()
+        self.stopping = asyncio.Event()
 
     def open(self, request_id: str) -> asyncio.Queue[ChunkEnvelope | None]:
         queue: asyncio.Queue[ChunkEnvelope | None] = asyncio.Queue()
@@ -45,6 +51,10 @@ class ReplyRouter:
 
     def close(self, request_id: str) -> None:
         self._routes.pop(request_id, None)
+
+    def stop(self) -> None:
+        """End `run`, `watch_silence` and `keep_alive` at their next turn."""
+        self.stopping.set()
 
     @property
     def open_requests(self) -> int:
@@ -57,18 +67,19 @@ class ReplyRouter:
         self._last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
 
     async def run(self) -> None:
-        while True:
+        while not self.stopping.is_set():  # one check per batch read, not per reply
             try:
                 if not self.connected.is_set():
                     await self.create_stream()
                     self.connected.set()
-                replies = await self.redis.xread({self.stream: self._last_id}, count=READ_BATCH, block=1000)
+                replies = await self.redis.xread({self.stream: self._last_id}, count=READ_BATCH,
+                                                 block=READ_BLOCK_MS)
             except RedisError as exc:
                 if self.connected.is_set():
                     log.warning("reading replies failed: %s; failing %d open requests", exc, len(self._routes))
                     self._fail_open_requests()
                 self.connected.clear()
-                await asyncio.sleep(0.5)
+                await pause(self.stopping, 0.5)
                 continue
             for _stream, entries in replies or ():
                 for _entry_id, fields in entries:
@@ -117,16 +128,14 @@ class ReplyRouter:
         """Every `interval`, wake each request with nothing waiting in its queue (a `SILENCE`), so
         it checks its deadline and its worker: one timer for the process instead of a timeout
         armed and cancelled around every wait of every request."""
-        while True:
-            await asyncio.sleep(interval)
+        while not await pause(self.stopping, interval):
             for queue in self._routes.values():
                 if queue.empty():
                     queue.put_nowait(SILENCE)
 
     async def keep_alive(self) -> None:
         """Refresh the reply stream's TTL while this gateway lives."""
-        while True:
-            await asyncio.sleep(keys.REPLY_STREAM_TTL_S / 4)
+        while not await pause(self.stopping, keys.REPLY_STREAM_TTL_S / 4):
             try:
                 if not await self.redis.expire(self.stream, keys.REPLY_STREAM_TTL_S):
                     self.connected.clear()  # the stream vanished (Redis restart): recreate it

@@ -69,7 +69,7 @@ async def test_chunks_of_the_lease_a_worker_lost_are_dropped_after_the_takeover(
         victim = _publisher(redis, "victim", request, OLD_LEASE)
         rescuer = _publisher(redis, "rescuer", request, NEW_LEASE)
         stale_before = metrics.STALE_REPLIES._value.get()
-        async with running(victim.run(), rescuer.run()):
+        async with running(victim, rescuer):
             chunks = run.chunks()
             rescuer.publish(request, _text("a"))
             assert await _next_text(chunks) == "a"
@@ -91,7 +91,7 @@ async def test_a_takeover_after_the_first_output_ends_the_response_with_an_error
         run = Run(fleet, request, fleet.router.open(request.request_id))
         victim = _publisher(redis, "victim", request, OLD_LEASE)
         rescuer = _publisher(redis, "rescuer", request, NEW_LEASE)
-        async with running(victim.run(), rescuer.run()):
+        async with running(victim, rescuer):
             chunks = run.chunks()
             victim.publish(request, _text("a"))  # reached the client before the victim was cut off
             assert await _next_text(chunks) == "a"
@@ -112,7 +112,7 @@ async def test_a_worker_that_lost_the_lease_publishes_nothing_more_even_on_retry
     # Redis is unreachable (nothing listens on the port): the write fails and is retried.
     unreachable = aioredis.Redis(host="127.0.0.1", port=free_port(), socket_connect_timeout=1)
     publisher = _publisher(unreachable, "victim", lost, OLD_LEASE)
-    async with running(publisher.run()):
+    async with running(publisher):
         publisher.publish(lost, _text("stale"))
         publisher.publish(kept, _text("fine"))
         await asyncio.sleep(0.2)  # some retries fail

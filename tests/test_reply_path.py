@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import uuid
 
 import msgpack
@@ -25,21 +26,34 @@ def _request(gateway_id: str, batch: bool) -> RequestEnvelope:
 @contextlib.asynccontextmanager
 async def reading(*routers: ReplyRouter):
     """Routers reading their reply streams (made, and read from their end on)."""
-    async with running(*(router.run() for router in routers)):
+    async with running(*routers):
         for router in routers:
             await asyncio.wait_for(router.connected.wait(), 5)
         yield
 
 
+STOP_WITHIN_S = 5.0  # a router sees its stop within one blocking read (1 s); a publisher at once
+
+
 @contextlib.asynccontextmanager
-async def running(*jobs):
-    tasks = [asyncio.create_task(job) for job in jobs]
+async def running(*loops: ReplyRouter | ReplyPublisher):
+    """Each loop's `run()` as a task. On the way out each is stopped through its stop event, not
+    cancelled, and waited for STOP_WITHIN_S at most: a loop that does not end fails the test, saying
+    where it sits, instead of hanging it."""
+    tasks = [asyncio.create_task(loop.run(), name=type(loop).__name__) for loop in loops]
     try:
         yield
     finally:
+        for loop in loops:
+            loop.stop()
+        _done, pending = await asyncio.wait(tasks, timeout=STOP_WITHIN_S)
+        where = io.StringIO()
+        for task in pending:
+            task.print_stack(file=where)
+            task.cancel()  # the test fails below; this only spares the rest of the session the task
+        assert not pending, f"still running {STOP_WITHIN_S}s after stop():\n{where.getvalue()}"
         for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+            task.result()  # a loop that failed fails the test
 
 
 async def _entries(redis: aioredis.Redis, stream: str) -> list[dict[bytes, bytes]]:
@@ -57,7 +71,7 @@ async def test_envelopes_for_one_gateway_share_an_entry_and_old_gateways_get_one
     for i, request in enumerate(requests):  # all queued before the publisher's first turn: one write
         publisher.publish(request, GenerationChunk(text=f"t{i}", token_count=1))
 
-    async with reading(*routers.values()), running(publisher.run()):
+    async with reading(*routers.values()), running(publisher):
         received = [await asyncio.wait_for(queue.get(), 5) for queue in queues]
 
     assert [(e.request_id, e.seq, e.worker_id, e.chunks[0].text) for e in received] == [
@@ -89,7 +103,7 @@ async def test_terminal_chunks_acknowledge_their_requests_after_their_entry(redi
     queues = [router.open(r.request_id) for r in requests]
     publisher = ReplyPublisher(redis, "w1")
 
-    async with reading(router), running(publisher.run()):
+    async with reading(router), running(publisher):
         finished = [publisher.finish(r, GenerationChunk(done=True, finish_reason="stop"), (stream, e.decode(),
                                                                                            r.request_id))
                     for r, e in zip(requests, entry_ids, strict=True)]

@@ -12,6 +12,9 @@ The terminal chunk of a request is written in the same pipeline as the XACK and 
 request entry (on a Redis Cluster, in the pipeline before them), after every earlier chunk: the
 gateway never sees a request end twice, and the entry is only acknowledged once its answer is
 in Redis.
+
+`stop()` ends `run` once what is queued has gone out; a write Redis refuses is then dropped, not
+retried: a stopping worker's unacknowledged requests are recovered as after a crash.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from redis.exceptions import RedisError
 from shared import keys, redis_pool
 from shared.codec import MAX_ENVELOPE_BYTES, encode, encode_batch
 from shared.envelopes import ChunkEnvelope, GenerationChunk, RequestEnvelope
+from shared.stopping import pause
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +96,7 @@ class ReplyPublisher:
         # What the write under way sends (its entries, first outputs, acks), each time it retries.
         self._in_flight: tuple[list[_Entry], list[str], list[tuple[str, str, str]]] = ([], [], [])
         self._wake = asyncio.Event()
+        self._stopping = asyncio.Event()
         # A draining worker sets how long Redis may stay unreachable before its replies are dropped:
         # its requests stay unacknowledged, for the gateways and workers to recover as from a crash.
         self.give_up_after_s: float | None = None
@@ -151,16 +156,23 @@ class ReplyPublisher:
         outbox.flushed = asyncio.get_running_loop().create_future()
         return outbox.flushed
 
+    def stop(self) -> None:
+        """End `run` once what is queued is written (or dropped: see `_execute`)."""
+        self._stopping.set()
+        self._wake.set()
+
     async def run(self) -> None:
-        while True:
+        # Whenever an outbox is queued, `_wake` is set or a flush is under way: no write waits for a stop.
+        while not self._stopping.is_set() or self._outboxes:
             await self._wake.wait()
             self._wake.clear()
             started = time.monotonic()
             outboxes, self._outboxes = self._outboxes, {}
-            await self._flush(list(outboxes.values()))
-            pause = self.coalesce_s - (time.monotonic() - started)
-            if pause > 0:
-                await asyncio.sleep(pause)
+            if outboxes:
+                await self._flush(list(outboxes.values()))
+            rest = self.coalesce_s - (time.monotonic() - started)
+            if rest > 0:
+                await asyncio.sleep(rest)
 
     async def _flush(self, outboxes: list[_Outbox]) -> None:
         entries: list[_Entry] = []
@@ -221,7 +233,8 @@ class ReplyPublisher:
             await self._execute(0, acknowledge)
 
     async def _execute(self, n_entries: int, *writes) -> None:
-        """One pipeline of `writes`, retried until Redis takes it (or a draining worker gives up)."""
+        """One pipeline of `writes`, retried until Redis takes it (or a draining worker gives up, or
+        the publisher is stopped)."""
         delay = 0.05
         while True:
             pipe = self.redis.pipeline(transaction=False)
@@ -240,5 +253,7 @@ class ReplyPublisher:
                               now - self._failing_since, n_entries)
                     return
                 log.warning("publishing replies failed (%s); retrying in %.2fs", exc, delay)
-                await asyncio.sleep(delay)
+                if await pause(self._stopping, delay):
+                    log.error("stopping with Redis unreachable: dropping %d reply entries", n_entries)
+                    return
                 delay = min(delay * 2, 2.0)
