@@ -56,7 +56,7 @@ test: install system-deps
 	  --ignore=tests/faults/test_partition.py
 
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not vllm"
+	$(BIN)/python -m pytest -q -m "not vllm and not compose"
 
 # The parity battery alone: vllm serve and llmfleet side by side, the table of matches per feature.
 parity: install

@@ -327,8 +327,14 @@ def test_service_monitors_scrape_the_jobs_the_alerts_name(build):
         assert len(selected) == 1, monitor["metadata"]["name"]
         ports = {p["name"] for p in selected[0]["spec"]["ports"]}
         for endpoint in spec["endpoints"]:
-            assert set(endpoint) <= {"port", "path", "interval"} and endpoint["port"] in ports
+            assert set(endpoint) <= {"port", "path", "interval", "metricRelabelings"} and endpoint["port"] in ports
             assert endpoint["path"] == "/metrics" and re.fullmatch(r"\d+s", endpoint["interval"])
+            for rule in endpoint.get("metricRelabelings", []):
+                assert set(rule) <= {"sourceLabels", "regex", "targetLabel", "replacement", "action"}
+        if selected[0]["metadata"]["labels"].get("app.kubernetes.io/component") == "worker":
+            # vLLM's vllm:* series escaped by a 2.x Prometheus come back under their own names
+            assert {"sourceLabels": ["__name__"], "regex": "vllm_(.+)", "targetLabel": "__name__",
+                    "replacement": "vllm:$1"} in spec["endpoints"][0].get("metricRelabelings", [])
         jobs.add(selected[0]["metadata"]["name"])  # the operator's default job label: the Service name
     assert set(re.findall(r'job="([^"]+)"', ALERTS.read_text())) == jobs
     assert one(docs, "PrometheusRule", "llmfleet")
