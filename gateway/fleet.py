@@ -26,6 +26,7 @@ from shared.codec import encode
 from shared.envelopes import Candidate, ChunkEnvelope, GenerationChunk, RequestEnvelope, Usage
 from shared.errors import Overloaded, ServiceUnavailable, WorkerLost, error_from_info
 from shared.redis_batch import BatchedRedis
+from shared.stopping import stop_tasks, within
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,10 @@ DEADLINE_GRACE_S = 5.0
 REDIS_CONNECTIONS = 200  # per gateway process; the reply reader and registry hold a few of them
 REDIS_POOL_WAIT_S = 5.0  # longest wait for a free connection before the request gets a 503
 SILENCE_CHECK_S = 1.0  # how often a silent request checks its deadline and that its worker still lives
+# A stop takes at most STOP_GRACE_S + 2 * STOP_CANCEL_S + REDIS_CLOSE_S, whatever Redis does.
+STOP_GRACE_S = 2.0  # the cancels and unregistering of the last runs may take this long
+STOP_CANCEL_S = 2.0  # then what still runs is cancelled, and left behind after this
+REDIS_CLOSE_S = 2.0
 
 
 @dataclass(slots=True)
@@ -175,18 +180,28 @@ class Fleet:
         self.cancels = CancelRegistry(self.redis, settings.gateway_id)
         self._enqueue_script = self.batched.register_script(_ENQUEUE)
         self.draining = False
-        self._tasks: set[asyncio.Task] = set()
+        self._loops: list[asyncio.Task] = []
+        self._tasks: set[asyncio.Task] = set()  # one-off jobs: the unregistering of runs, cancels
 
     async def start(self) -> None:
-        for job in (self.batched.run(), self.router.run(), self.router.watch_silence(SILENCE_CHECK_S),
-                    self.router.keep_alive(), self.registry.run()):
-            self._spawn(job)
+        self._loops = [asyncio.create_task(job, name=job.__qualname__) for job in (
+            self.batched.run(), self.router.run(), self.router.watch_silence(SILENCE_CHECK_S),
+            self.router.keep_alive(), self.registry.run())]
 
     async def stop(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.redis.aclose()
+        """Let the last runs' cancels and unregistering finish, stop the loops, close the pool: each
+        step bounded, so a slow or vanished Redis delays a shutdown by seconds, never for ever."""
+        await stop_tasks(self._tasks, grace_s=STOP_GRACE_S, cancel_s=STOP_CANCEL_S, what="unregistering runs")
+        # Nothing the loops would still do matters now: cancel them at once. Their stop events end them
+        # at their next turn should a cancel be lost (shared.stopping).
+        self.router.stop()
+        self.registry.stop()
+        self.batched.stop()
+        await stop_tasks(self._loops, grace_s=0, cancel_s=STOP_CANCEL_S, what="gateway loops")
+        try:
+            await within(REDIS_CLOSE_S, self.redis.aclose(), "closing the gateway's Redis pool")
+        except (TimeoutError, RedisError, OSError) as exc:
+            log.warning("closing the Redis pool failed: %s", exc)
 
     def _spawn(self, job) -> asyncio.Task:
         task = asyncio.create_task(job)

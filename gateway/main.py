@@ -5,7 +5,9 @@ listening socket at once, so a new connection is refused and nginx (`proxy_next_
 or a client's retry takes another replica. A request that still reaches it, on a connection a
 client kept alive, is answered 503 ("shutting down", never queued) with `Connection: close`, so
 the client's retry opens a new connection; /ready turns 503 too. Open requests get up to
-`drain_grace_s` to finish, then uvicorn shuts down. A second SIGTERM or SIGINT exits at once.
+`drain_grace_s` to finish, then uvicorn shuts down: it waits up to `timeout_graceful_shutdown`
+for the requests left, then `Fleet.stop` takes a bounded few seconds, whatever Redis does
+(tests/faults/test_stops.py). A second SIGTERM or SIGINT exits at once.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from shared import keys
 from shared.codec import decode
 from shared.envelopes import WorkerInfo
 from shared.errors import EnvelopeError, ModelNotFound
+from shared.stopping import pause
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ class WorkerRegistry:
         self._remembered: dict[str, _Remembered] = {}
         self._reported: set[str] = set()  # models with backlog series on /metrics
         self._refreshed = 0.0
+        self.stopping = asyncio.Event()
 
     async def refresh(self) -> None:
         names = [key async for key in self.redis.scan_iter(match=keys.WORKER_KEY_PATTERN, count=500)]
@@ -132,12 +134,16 @@ class WorkerRegistry:
         self._reported = set(models)
 
     async def run(self) -> None:
-        while True:
+        while not self.stopping.is_set():
             try:
                 await self.refresh()
             except RedisError as exc:
                 log.warning("refreshing the worker registry failed: %s", exc)
-            await asyncio.sleep(REFRESH_S)
+            await pause(self.stopping, REFRESH_S)
+
+    def stop(self) -> None:
+        """End `run` at its next turn."""
+        self.stopping.set()
 
     def known_models(self) -> set[str]:
         """Models served now, configured on this gateway, or seen served by it within the hour."""

@@ -40,6 +40,7 @@ class BatchedRedis(aioredis.Redis):
         self._direct = redis
         self._queued: list[_Queued] = []
         self._wake = asyncio.Event()
+        self._stopping = asyncio.Event()
 
     def queue_command(self, args: tuple, options: dict) -> asyncio.Future:
         future = asyncio.get_running_loop().create_future()
@@ -59,13 +60,19 @@ class BatchedRedis(aioredis.Redis):
         """Load a script (after a NOSCRIPT reply), on every primary of a cluster."""
         return await self._direct.script_load(script)
 
+    def stop(self) -> None:
+        """End `run` once what is queued has been sent."""
+        self._stopping.set()
+        self._wake.set()
+
     async def run(self) -> None:
         try:
-            while True:
+            while not self._stopping.is_set() or self._queued:
                 await self._wake.wait()
                 self._wake.clear()
                 batch, self._queued = self._queued, []
-                await self._send(batch)
+                if batch:  # empty when woken by `stop`
+                    await self._send(batch)
         finally:  # stopping: nobody will send what is still queued
             self._fail(self._queued, RedisConnectionError("the client is stopping"))
 

@@ -36,6 +36,7 @@ from shared.codec import decode, encode
 from shared.envelopes import CancelNotice, Candidate, GenerationChunk, RequestEnvelope, Usage, WorkerInfo
 from shared.errors import EngineError, EnvelopeError, FleetError, ServiceUnavailable, WorkerLost
 from shared.redis_batch import BatchedRedis
+from shared.stopping import pause, stop_tasks, within
 from worker import metrics
 from worker.adapter import GenerationAdapter
 from worker.aggregate import collect_candidates
@@ -57,6 +58,9 @@ local now = redis.call('TIME')
 return tonumber(now[1]) * 1000000 + tonumber(now[2])
 """
 DRAIN_REDIS_GRACE_S = 10.0  # a draining worker drops its replies once Redis has been away this long
+CLAIM_STOP_S = 2.0  # a claim blocks 1 s: past this, Redis hangs, and the claim is cancelled
+STOP_CANCEL_S = 2.0  # a cancelled loop that has not ended after this is left behind
+DEREGISTER_S = 2.0  # the last write of a stop: removing the heartbeat, which expires anyway
 
 
 def new_worker_id() -> str:
@@ -87,6 +91,8 @@ class RequestConsumer:
         self._progress: dict[str, _Progress] = {}
         self._background: set[asyncio.Task] = set()
         self._slot_freed = asyncio.Event()
+        self._stop_claiming = asyncio.Event()  # `stop()`: claim nothing more
+        self._stop_loops = asyncio.Event()  # the drain is over: heartbeat, cancels and leases end
         self._take_lease = self.batched.register_script(_TAKE_LEASE)
         # Request id -> when (monotonic) its lease may lapse, less LEASE_MARGIN_S: the last renewal
         # Redis confirmed was sent LEASE_TTL_S before that. Only leases still held are here.
@@ -98,24 +104,35 @@ class RequestConsumer:
         return len(self._running)
 
     async def run(self) -> None:
-        """Serve until cancelled; then stop claiming, finish what runs, and deregister."""
+        """Serve until `stop()` (or cancelled); then stop claiming, finish what runs, stop the loops
+        and deregister, each step bounded whatever Redis does. A loop that fails stops the worker:
+        `run` raises its error once the rest has stopped."""
         await self._ensure_group()
-        async with asyncio.TaskGroup() as tasks:
-            background = [
-                tasks.create_task(self.batched.run()),
-                tasks.create_task(self.publisher.run()),
-                tasks.create_task(self._heartbeat()),
-                tasks.create_task(self._listen_for_cancels()),
-                tasks.create_task(self.reclaim_requests()),
-                tasks.create_task(self._watch_engine()),
-                tasks.create_task(self._watch_leases()),
-            ]
-            try:
-                await self.claim_requests()
-            finally:
-                await self._drain()
-                for task in background:
-                    task.cancel()
+        loops = [asyncio.create_task(job, name=job.__qualname__) for job in (
+            self.batched.run(), self.publisher.run(), self._heartbeat(), self._listen_for_cancels(),
+            self.reclaim_requests(), self._watch_engine(), self._watch_leases())]
+        claiming = asyncio.create_task(self.claim_requests(), name="RequestConsumer.claim_requests")
+        stop_requested = asyncio.create_task(self._stop_claiming.wait())
+        try:
+            await asyncio.wait([stop_requested, claiming, *loops], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop_requested.cancel()
+            await self._stop(claiming, loops)
+        for task in (claiming, *loops):
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise task.exception()
+
+    async def _stop(self, claiming: asyncio.Task, loops: list[asyncio.Task]) -> None:
+        self.stop()
+        await stop_tasks([claiming], grace_s=CLAIM_STOP_S, cancel_s=STOP_CANCEL_S, what="claiming requests")
+        await self._drain()
+        # Nothing is left for the loops to do: cancel them at once. Their stop events end them at
+        # their next turn should a cancel be lost (shared.stopping).
+        self._stop_loops.set()
+        self.publisher.stop()
+        self.batched.stop()
+        await stop_tasks(loops, grace_s=0, cancel_s=STOP_CANCEL_S, what="worker loops")
+        await self._deregister()
 
     def _check_engine(self) -> None:
         """If the engine is dead, stop: in-flight requests fail, and the process exits non-zero."""
@@ -125,8 +142,7 @@ class RequestConsumer:
             self.stop()
 
     async def _watch_engine(self) -> None:
-        while not self.draining:
-            await asyncio.sleep(ENGINE_CHECK_S)
+        while not await pause(self._stop_claiming, ENGINE_CHECK_S):
             try:
                 await self.adapter.check_health()
             except Exception as exc:  # noqa: BLE001 - any failure of the health check means the engine is gone
@@ -136,6 +152,7 @@ class RequestConsumer:
     def stop(self) -> None:
         """Stop claiming (SIGTERM); `run` returns once in-flight requests are answered."""
         self.draining = True
+        self._stop_claiming.set()
         self._slot_freed.set()
 
     async def _ensure_group(self) -> None:
@@ -173,8 +190,7 @@ class RequestConsumer:
         holds the request's lease, so they are left alone.
         """
         idle_ms = int(self.claim_idle_s * 1000)
-        while not self.draining:
-            await asyncio.sleep(self.claim_idle_s / 2)
+        while not await pause(self._stop_claiming, self.claim_idle_s / 2):
             free = self.max_concurrency - self.in_flight
             if free <= 0:
                 continue
@@ -345,12 +361,12 @@ class RequestConsumer:
 
     async def _listen_for_cancels(self) -> None:
         """Follow the cancel channel, resubscribing after Redis comes back."""
-        while True:
+        while not self._stop_loops.is_set():
             try:
-                await self._follow_cancels()
+                await self._follow_cancels()  # ends only when cancelled, or when Redis fails
             except RedisError as exc:
                 log.warning("cancel channel lost: %s; resubscribing", exc)
-                await asyncio.sleep(0.5)
+                await pause(self._stop_loops, 0.5)
 
     async def _follow_cancels(self) -> None:
         pubsub = self.redis.pubsub()
@@ -384,8 +400,7 @@ class RequestConsumer:
     async def _watch_leases(self) -> None:
         """Give up each running request whose lease may lapse: Redis has not confirmed a renewal
         (this worker is cut off from it, or it is down) for nearly LEASE_TTL_S."""
-        while True:
-            await asyncio.sleep(LEASE_CHECK_S)
+        while not await pause(self._stop_loops, LEASE_CHECK_S):
             now = time.monotonic()
             for request_id in [rid for rid, until in self._lease_until.items() if now >= until]:
                 del self._lease_until[request_id]
@@ -434,7 +449,7 @@ class RequestConsumer:
 
     async def _heartbeat(self) -> None:
         stashed_before: dict[str, str] = {}
-        while True:
+        while not self._stop_loops.is_set():
             info = WorkerInfo(
                 worker_id=self.worker_id, model=self.model, max_model_len=self.adapter.max_model_len,
                 capacity=self.max_concurrency, in_flight=self.in_flight, engine=self.adapter.engine_name,
@@ -457,7 +472,7 @@ class RequestConsumer:
             stashed_before = stashed
             # One beat per interval, counted from when this one was sent: a slow Redis delays the next
             # renewal by no more than it has to, so the leases do not look lost sooner than they are.
-            await asyncio.sleep(max(0.0, keys.HEARTBEAT_INTERVAL_S - (time.monotonic() - sent)))
+            await pause(self._stop_loops, max(0.0, keys.HEARTBEAT_INTERVAL_S - (time.monotonic() - sent)))
 
     async def _drain(self) -> None:
         self.draining = True
@@ -469,8 +484,13 @@ class RequestConsumer:
             if self.publisher.given_up:  # their answers can reach nobody: stop generating them
                 for request_id in list(self._running):
                     self._spawn(self.cancel(request_id, "shutdown"))
-        with contextlib.suppress(RedisError):
-            await self.redis.delete(keys.worker_key(self.worker_id))
+
+    async def _deregister(self) -> None:
+        """Remove the heartbeat, so gateways stop counting on this worker now rather than at its TTL."""
+        try:
+            await within(DEREGISTER_S, self.redis.delete(keys.worker_key(self.worker_id)), "deregistering")
+        except (TimeoutError, RedisError) as exc:
+            log.warning("could not remove the heartbeat (%s); it expires within %ds", exc, keys.HEARTBEAT_TTL_S)
 
 
 @dataclass(slots=True)

@@ -1,7 +1,8 @@
 """The worker process: load an engine, then claim and run requests until SIGTERM.
 
 SIGTERM or SIGINT stops claiming; in-flight requests finish, the heartbeat is removed, and the
-process exits 0.
+process exits 0. Every step of the stop is bounded (`RequestConsumer.run`): a slow or vanished
+Redis delays the exit by seconds, never for ever.
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ import logging
 import signal
 
 from prometheus_client import start_http_server
+from redis.exceptions import RedisError
 
 from shared import redis_pool
+from shared.stopping import within
 from worker.adapter import GenerationAdapter
 from worker.consumer import RequestConsumer, new_worker_id
 
@@ -20,6 +23,7 @@ log = logging.getLogger(__name__)
 
 REDIS_CONNECTIONS = 32
 REDIS_POOL_WAIT_S = 10.0
+REDIS_CLOSE_S = 2.0
 
 
 async def serve(adapter: GenerationAdapter, redis_url: str, max_concurrency: int, metrics_port: int = 0,
@@ -40,7 +44,10 @@ async def serve(adapter: GenerationAdapter, redis_url: str, max_concurrency: int
     try:
         await consumer.run()
     finally:
-        await redis.aclose()
+        try:
+            await within(REDIS_CLOSE_S, redis.aclose(), "closing the worker's Redis pool")
+        except (TimeoutError, RedisError, OSError) as exc:
+            log.warning("closing the Redis pool failed: %s", exc)
         await adapter.shutdown()
     if consumer.fatal is not None:
         raise SystemExit(f"worker {consumer.worker_id} stopped: the engine died ({consumer.fatal})")
