@@ -41,7 +41,7 @@ return {1, depth}
 DEADLINE_GRACE_S = 5.0
 REDIS_CONNECTIONS = 200  # per gateway process; the reply reader and registry hold a few of them
 REDIS_POOL_WAIT_S = 5.0  # longest wait for a free connection before the request gets a 503
-SILENCE_CHECK_S = 1.0  # how often a silent request checks its deadline and that its worker still lives
+SILENCE_CHECK_S = 0.5  # how often a silent request checks its deadline and that its worker still lives
 # A stop takes at most STOP_GRACE_S + 2 * STOP_CANCEL_S + REDIS_CLOSE_S, whatever Redis does.
 STOP_GRACE_S = 2.0  # the cancels and unregistering of the last runs may take this long
 STOP_CANCEL_S = 2.0  # then what still runs is cancelled, and left behind after this

@@ -33,7 +33,7 @@ from shared.stopping import pause
 
 log = logging.getLogger(__name__)
 
-REFRESH_S = 1.0
+REFRESH_S = 0.5  # with the heartbeat TTL and the silence check, bounds how late a dead worker is noticed
 # The context length of a model no live worker announces and this gateway never saw served: the
 # gateway cannot check `max_tokens` against it, so it leaves that check to the worker's engine.
 UNKNOWN_MAX_MODEL_LEN = 2**31 - 1
