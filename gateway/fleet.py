@@ -210,7 +210,9 @@ class Fleet:
         return task
 
     async def ready(self) -> bool:
-        if self.draining:
+        """Ready while Redis answers and this gateway's reply stream is being read: until the
+        router has (re)made its stream after a Redis restart, a request would get a 503."""
+        if self.draining or not self.router.connected.is_set():
             return False
         try:
             return bool(await self.redis.ping())
