@@ -236,12 +236,24 @@ def lower_priority(pid: int) -> str:
     return f"{done}, {_set_autogroup_nice(pid, LOWEST_PRIORITY)}"
 
 
+def autogroup_of(pid: int) -> str:
+    """What /proc/PID/autogroup says (`/autogroup-42 nice 19`); empty where autogroups do not apply:
+    the kernel schedules by autogroup only processes in the root CPU cgroup, so in a container or a
+    systemd slice with the cpu controller the file reads empty and the cgroup shares the CPU."""
+    try:
+        return Path(f"/proc/{pid}/autogroup").read_text().strip()
+    except OSError:
+        return ""
+
+
 def _set_autogroup_nice(pid: int, nice: int) -> str:
     try:
         if Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "0":
             return "autogroups disabled (kernel.sched_autogroup_enabled=0)"
     except OSError:
         return "no autogroups in this kernel"
+    if not autogroup_of(pid):
+        return "autogroup not in effect (the process is in a CPU cgroup, which shares the CPU instead)"
     for _attempt in range(10):
         try:
             Path(f"/proc/{pid}/autogroup").write_text(str(nice))
