@@ -10,7 +10,9 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from gateway import fleet_routes, openai_chat, openai_completions, tokenizer_routes
+from gateway import fleet_routes, tokenizer_routes
+from gateway.openai import chat as openai_chat
+from gateway.openai import completions as openai_completions
 from gateway.errors import install_error_handlers
 from gateway.fleet import Fleet, GatewaySettings
 from gateway.limits import BodySizeLimit

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import orjson
@@ -66,6 +66,11 @@ class Formatter:
     endpoint: str
     id_prefix: str
     chunk_object: str
+    # SSE framing: OpenAI's unnamed `data:` events closed by `data: [DONE]`; the Anthropic and
+    # Responses families name each event after its "type" (`event: message_start`) and close
+    # with their own last event instead of a marker.
+    named_events = False
+    done_marker: bytes | None = SSE_DONE
 
     def __init__(self, request: GenerationRequest, envelope: RequestEnvelope):
         self.response_id = f"{self.id_prefix}-{envelope.request_id}"
@@ -103,6 +108,20 @@ class Formatter:
     def response(self, terminal: GenerationChunk) -> dict[str, Any]:
         """The whole non-streaming response, from the terminal chunk's candidates."""
         raise NotImplementedError
+
+    def encode(self, event: dict[str, Any]) -> bytes:
+        """One SSE event on the wire."""
+        if self.named_events:
+            return b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
+        return sse(event)
+
+    def error_response(self, error: FleetError) -> Response:
+        """A refusal before the stream starts, in the family's error shape."""
+        return fleet_error_response(error)
+
+    def error_events(self, error: FleetError) -> list[dict[str, Any]]:
+        """The events that end a stream on an error after its first byte."""
+        return [fleet_error_body(error)]
 
     def _choice(self, index: int, chunk: GenerationChunk | None, finish: str | None) -> dict[str, Any]:
         """One choice of a stream chunk; `chunk` None for the empty finish of a silent choice."""
@@ -184,9 +203,9 @@ async def serve_generation(request: Request, fleet: Fleet, envelope: RequestEnve
         if isinstance(exc, FleetError) and exc.in_stream and envelope.stream:
             # The engine's server had begun its stream (vLLM checks some parameters only when the
             # engine starts): 200, then the error as an event, as `vllm serve` answers.
-            return StreamingResponse(iter((sse(fleet_error_body(exc)), SSE_DONE)), media_type="text/event-stream")
+            return StreamingResponse(_error_stream(formatter, exc), media_type="text/event-stream")
         if isinstance(exc, FleetError):
-            return fleet_error_response(exc)
+            return formatter.error_response(exc)
         if isinstance(exc, ClientDisconnected):
             return Response(status_code=499)  # nobody is listening; the run is cancelled
         raise
@@ -197,9 +216,16 @@ async def serve_generation(request: Request, fleet: Fleet, envelope: RequestEnve
     await run.release()
     _finish(run, envelope, formatter, started, None)
     if first.error is not None:
-        return fleet_error_response(error_from_info(first.error))
+        return formatter.error_response(error_from_info(first.error))
     _count_tokens(first, envelope)
     return json_response(formatter.response(first))
+
+
+def _error_stream(formatter: Formatter, error: FleetError) -> Iterator[bytes]:
+    for event in formatter.error_events(error):
+        yield formatter.encode(event)
+    if formatter.done_marker:
+        yield formatter.done_marker
 
 
 class ClientDisconnected(Exception):
@@ -236,19 +262,21 @@ async def _sse_body(run: Run, envelope: RequestEnvelope, formatter: Formatter, f
             if chunk.done:
                 await run.release()
             if chunk.error is not None:
-                yield sse(fleet_error_body(error_from_info(chunk.error)))
+                for event in formatter.error_events(error_from_info(chunk.error)):
+                    yield formatter.encode(event)
             else:
                 for event in formatter.stream_events(chunk):
-                    yield sse(event)
+                    yield formatter.encode(event)
             _count_tokens(chunk, envelope)
             if chunk.done:
                 break
             chunk = await anext(rest)
-        yield SSE_DONE
+        if formatter.done_marker:
+            yield formatter.done_marker
     except FleetError as exc:  # e.g. the request timed out mid-stream
         error = exc
-        yield sse(fleet_error_body(exc))
-        yield SSE_DONE
+        for part in _error_stream(formatter, exc):
+            yield part
     except BaseException as exc:  # the client went away: close the run, which cancels it
         error = exc
         raise

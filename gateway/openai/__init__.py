@@ -1,0 +1,1 @@
+"""OpenAI API families: chat completions, completions, responses."""
