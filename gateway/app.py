@@ -13,6 +13,7 @@ from fastapi import FastAPI
 from gateway import fleet_routes, tokenizer_routes
 from gateway.openai import chat as openai_chat
 from gateway.openai import completions as openai_completions
+from gateway.accounting import CountResponses
 from gateway.errors import install_error_handlers
 from gateway.fleet import Fleet, GatewaySettings
 from gateway.limits import BodySizeLimit
@@ -33,6 +34,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
     app = FastAPI(title="llmfleet gateway", lifespan=lifespan)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(CountResponses)  # outermost: it also counts the 413s of BodySizeLimit
     install_error_handlers(app)
     app.include_router(openai_chat.router)
     app.include_router(openai_completions.router)

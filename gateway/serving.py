@@ -25,7 +25,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from gateway import metrics
+from gateway import accounting, metrics
 from gateway.errors import fleet_error_body, fleet_error_response, json_response
 from gateway.fleet import Fleet, GatewaySettings, Run
 from gateway.protocol import GenerationRequest
@@ -179,6 +179,7 @@ async def request_json(request: Request) -> dict[str, Any]:
 def new_envelope(raw: dict[str, Any], kind: str, model: str, settings: GatewaySettings, *,
                  body: GenerationRequest | None = None, params: SamplingOptions | None = None) -> RequestEnvelope:
     """The envelope of a validated request (`body`: its parsed form), with the gateway's deadlines."""
+    accounting.note(model=model)
     now = time.time()
     timeout = settings.request_timeout_s
     if body is not None and body.timeout:
@@ -300,5 +301,5 @@ def _finish(run: Run, envelope: RequestEnvelope, formatter: Formatter, started: 
     run.close(reason)
     metrics.OPEN_STREAMS.dec()
     status = error.status if isinstance(error, FleetError) else (499 if error is not None else 200)
-    metrics.REQUESTS.labels(envelope.model, formatter.endpoint, str(status)).inc()
+    accounting.note(status=status)  # an error after the first byte counts by its own status
     metrics.REQUEST_LATENCY.labels(envelope.model, formatter.endpoint).observe(time.monotonic() - started)
