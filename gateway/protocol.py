@@ -284,7 +284,8 @@ class TokenizerRequest(OpenAIModel):
 
 
 class CancelRequest(OpenAIModel):
-    """POST /v1/cancel: by the run's `cancel_id` (exclusive), or by the response `id` a client saw."""
+    """POST /v1/cancel: by the runs' `cancel_id` (exclusive), or by the response `id` a client saw,
+    of any family."""
 
     cancel_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
@@ -300,4 +301,10 @@ class CancelRequest(OpenAIModel):
     def request_id(self) -> str | None:
         if self.id is None:
             return None
-        return self.id.removeprefix("chatcmpl-").removeprefix("cmpl-")
+        prefix = next((p for p in RESPONSE_ID_PREFIXES if self.id.startswith(p)), "")
+        return self.id.removeprefix(prefix)
+
+
+# The ids each family shows a client, `<prefix><request_id>`: chat, completions, Anthropic
+# messages, Responses (gateway/openai/, gateway/anthropic/).
+RESPONSE_ID_PREFIXES = ("chatcmpl-", "cmpl-", "msg_", "resp_")

@@ -26,18 +26,25 @@ part of the name. `<...>` is a placeholder.
 |                                      |         | running the request                      |
 | llmfleet:streamed:{<request_id>}     | string  | TTL CANCEL_MEMORY_TTL_S; set with the    |
 |                                      |         | first published chunk                    |
-| llmfleet:cancel-id:{<cancel_id>}     | string  | TTL: the run's deadline; "done"          |
-|                                      |         | afterwards                               |
+| llmfleet:cancel-id:{<cancel_id>}     | set     | TTL: the longest deadline of its runs;   |
+|                                      |         | the runs not finished, and a finished    |
+|                                      |         | mark                                     |
 | llmfleet:cancel-early:{<cancel_id>}  | string  | TTL CANCEL_MEMORY_TTL_S; consumed when   |
 |                                      |         | the run with that cancel_id registers    |
 | llmfleet:cancel                      | pub/sub | no storage; in a cluster a PUBLISH       |
 |                                      |         | reaches the subscribers of every node    |
+| llmfleet:response:{<response_id>}    | hash    | TTL: the gateway's response store TTL;   |
+|                                      |         | a stored Response (gateway/openai/       |
+|                                      |         | response_store.py), at most its max bytes|
+| llmfleet:responses:{stored}          | zset    | TTL: the store's TTL, refreshed; at most |
+|                                      |         | the store's max entries (oldest evicted, |
+|                                      |         | with their hashes)                       |
 
 The keys that share a slot, and the operation that needs it:
 - `{<model>}`: a poison entry's XADD to the dead letters, XACK and XDEL, in order on one node.
 - `{<request_id>}`: the worker's lease/cancel-stash/streamed check, and the one DEL of all three
   when the request ends.
-- `{<cancel_id>}`: the register and cancel-by-id scripts (`gateway/cancel.py`).
+- `{<cancel_id>}`: the register, finish and cancel-by-id scripts (`gateway/cancel.py`).
 - `{workers}`: the registry's MGET of every heartbeat.
 Commands on keys of different tags share pipelines, never a command or a script.
 """
@@ -126,3 +133,10 @@ def cancel_id_key(cancel_id: str) -> str:
 
 def early_cancel_key(cancel_id: str) -> str:
     return f"{PREFIX}:cancel-early:{_tag(cancel_id)}"
+
+
+def response_key(response_id: str) -> str:
+    return f"{PREFIX}:response:{_tag(response_id)}"
+
+
+RESPONSE_INDEX = f"{PREFIX}:responses:{{stored}}"  # the stored responses by time, for the store's bound

@@ -191,6 +191,61 @@ def test_cancel_by_response_id(gateways, slow_worker):
     assert _finishes(rest) == ["cancelled"]
 
 
+@pytest.mark.parametrize("prefix", ["msg_", "resp_"])
+def test_cancel_by_the_id_of_another_family(gateways, slow_worker, prefix):
+    """Anthropic message ids and Responses ids name the same request: `msg_<id>`, `resp_<id>`."""
+    model = _served(gateways, slow_worker)
+    with httpx.stream("POST", f"{gateways[1].url}/v1/chat/completions", json=_chat(model, stream=True)) as response:
+        events = _events(response.iter_lines())
+        request_id = next(events)["id"].removeprefix("chatcmpl-")
+        answer = httpx.post(f"{gateways[0].url}/v1/cancel", json={"id": f"{prefix}{request_id}"})
+        assert answer.json() == {"cancelled": 1}
+        rest = list(events)
+    assert _finishes(rest) == ["cancelled"]
+
+
+@pytest.fixture
+def two_slot_worker(redis_url):
+    model = f"pair-{uuid.uuid4().hex[:6]}"
+    worker = start_worker(redis_url, model, "--scripted-tokens-per-second", "20", "--max-concurrency", "2")
+    yield worker
+    worker.stop()
+
+
+def test_a_cancel_id_shared_by_two_runs_cancels_both(gateways, two_slot_worker, redis_client):
+    model = _served(gateways, two_slot_worker)
+    cancel_id = uuid.uuid4().hex
+    body = _chat(model, stream=True, cancel_id=cancel_id)
+    with httpx.stream("POST", f"{gateways[0].url}/v1/chat/completions", json=body) as first, \
+            httpx.stream("POST", f"{gateways[1].url}/v1/chat/completions", json=body) as second:
+        streams = [_events(first.iter_lines()), _events(second.iter_lines())]
+        for events in streams:
+            next(events), next(events)
+        wait_for(lambda: _in_flight(two_slot_worker) == 2, 5, "both runs to be running")
+        assert httpx.post(f"{gateways[1].url}/v1/cancel", json={"cancel_id": cancel_id}).json() == {"cancelled": 2}
+        assert [_finishes(list(events)) for events in streams] == [["cancelled"], ["cancelled"]]
+    assert _cancels(two_slot_worker, cause="explicit", phase="decode") == 2
+    assert 0 < redis_client.ttl(keys.cancel_id_key(cancel_id)) <= 600 + 5
+
+
+def test_the_first_run_to_finish_leaves_the_other_cancellable(gateways, two_slot_worker):
+    model = _served(gateways, two_slot_worker)
+    cancel_id = uuid.uuid4().hex
+    with httpx.stream("POST", f"{gateways[0].url}/v1/chat/completions",
+                      json=_chat(model, stream=True, cancel_id=cancel_id)) as long_run:
+        events = _events(long_run.iter_lines())
+        next(events), next(events)
+        short = httpx.post(f"{gateways[1].url}/v1/chat/completions",
+                           json=_chat(model, cancel_id=cancel_id, max_tokens=2)).json()
+        assert short["choices"][0]["finish_reason"] == "length"
+        assert httpx.post(f"{gateways[1].url}/v1/cancel", json={"cancel_id": cancel_id}).json() == {"cancelled": 1}
+        assert _finishes(list(events)) == ["cancelled"]
+    # Both finished: a late cancel is a no-op, and stashes nothing for a later run.
+    assert httpx.post(f"{gateways[0].url}/v1/cancel", json={"cancel_id": cancel_id}).json() == {"cancelled": 0}
+    later = httpx.post(f"{gateways[0].url}/v1/chat/completions", json=_chat(model, cancel_id=cancel_id, max_tokens=2))
+    assert later.json()["choices"][0]["finish_reason"] == "length"
+
+
 def test_cancel_before_the_request_is_sent(gateways, slow_worker):
     model = _served(gateways, slow_worker)
     cancel_id = uuid.uuid4().hex
