@@ -13,6 +13,7 @@ from fastapi import FastAPI
 from gateway import fleet_routes, tokenizer_routes
 from gateway.openai import chat as openai_chat
 from gateway.openai import completions as openai_completions
+from gateway.openai import responses as openai_responses
 from gateway.accounting import CountResponses
 from gateway.errors import install_error_handlers
 from gateway.fleet import Fleet, GatewaySettings
@@ -38,6 +39,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     install_error_handlers(app)
     app.include_router(openai_chat.router)
     app.include_router(openai_completions.router)
+    app.include_router(openai_responses.router)
     app.include_router(fleet_routes.router)
     app.include_router(tokenizer_routes.router)
 

@@ -60,6 +60,11 @@ class GatewaySettings:
     max_buffered_chunks: int = 1024  # reply envelopes held for a client that stopped reading
     gateway_id: str = ""
     models: tuple[str, ...] = ()  # known before any worker serves them: their requests queue, not 404
+    # Stored Responses (gateway/openai/response_store.py): kept this long, at most this many, each at
+    # most this large; past the count the oldest go first.
+    response_store_ttl_s: float = 24 * 3600.0
+    response_store_max_entries: int = 10_000
+    response_store_max_bytes: int = 1024 * 1024
 
     def __post_init__(self) -> None:
         self.gateway_id = self.gateway_id or uuid.uuid4().hex[:12]

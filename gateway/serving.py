@@ -8,6 +8,11 @@ so a request the worker rejects (prompt too long, bad token ids) is a plain 4xx,
 `vllm serve`. After the first byte, an error is a `data: {"error": ...}` event then
 `data: [DONE]`.
 
+Every SSE event of every family carries `id: <n>`, its 0-based position in the response (the
+end marker included), given here by `EventWriter` and nowhere else: a client that lost its
+connection names the last id it read, and a resumable stream (`gateway.streams`) replays the
+events after it.
+
 Cancellation: a streaming response is cancelled by Starlette when the client disconnects; a
 non-streaming one races the generation against the client's `http.disconnect`. Either way the
 `Run` is closed before its terminal chunk, which publishes the cancel to the workers.
@@ -18,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
@@ -194,46 +199,100 @@ def new_envelope(raw: dict[str, Any], kind: str, model: str, settings: GatewaySe
 
 async def serve_generation(request: Request, fleet: Fleet, envelope: RequestEnvelope,
                            formatter: Formatter) -> Response:
+    """Answer one generation request: SSE if it streams, else the whole response at once."""
     started = time.monotonic()
     run = await fleet.submit(envelope)
     metrics.OPEN_STREAMS.inc()
     try:
-        first, rest = await _race_disconnect(request, run.first_or_error())
+        first, rest = await race_disconnect(request, run.first_or_error())
     except BaseException as exc:
-        _finish(run, envelope, formatter, started, exc)
+        finish_run(run, envelope, formatter, started, exc)
         if isinstance(exc, FleetError) and exc.in_stream and envelope.stream:
             # The engine's server had begun its stream (vLLM checks some parameters only when the
             # engine starts): 200, then the error as an event, as `vllm serve` answers.
-            return StreamingResponse(_error_stream(formatter, exc), media_type="text/event-stream")
+            return StreamingResponse(iter(EventWriter(formatter).error_frames(exc)), media_type="text/event-stream")
         if isinstance(exc, FleetError):
             return formatter.error_response(exc)
         if isinstance(exc, ClientDisconnected):
             return Response(status_code=499)  # nobody is listening; the run is cancelled
         raise
-    _record_first_token(first, envelope)
+    record_first_token(first, envelope)
     if envelope.stream:
-        return StreamingResponse(_sse_body(run, envelope, formatter, first, rest, started),
+        return StreamingResponse(_sse_body(run, envelope, EventWriter(formatter), first, rest, started),
                                  media_type="text/event-stream")
     await run.release()
-    _finish(run, envelope, formatter, started, None)
+    finish_run(run, envelope, formatter, started, None)
     if first.error is not None:
         return formatter.error_response(error_from_info(first.error))
     _count_tokens(first, envelope)
     return json_response(formatter.response(first))
 
 
-def _error_stream(formatter: Formatter, error: FleetError) -> Iterator[bytes]:
-    for event in formatter.error_events(error):
-        yield formatter.encode(event)
-    if formatter.done_marker:
-        yield formatter.done_marker
+class EventWriter:
+    """One response's events as SSE frames, each with its `id:`: the only place ids are given.
+
+    Ids count from 0 and number every event, the end marker (`data: [DONE]`) and error events
+    included, so in the Responses family an event's id is its `sequence_number`. The id line
+    closes the frame (`data: {...}\\nid: 3\\n\\n`): the event's own lines come first, as before ids.
+    """
+
+    def __init__(self, formatter: Formatter):
+        self.formatter = formatter
+        self.next_id = 0
+        self.terminal: GenerationChunk | None = None  # set by `stream_frames` when it comes
+        # What ended a stream after its first byte (a timeout, a lost worker): set by
+        # `stream_frames`. An error the worker reports comes in the terminal chunk instead.
+        self.error: FleetError | None = None
+
+    def frames(self, events: list[dict[str, Any]]) -> list[bytes]:
+        return [self._frame(self.formatter.encode(event)) for event in events]
+
+    def chunk_frames(self, chunk: GenerationChunk) -> list[bytes]:
+        if chunk.error is not None:
+            return self.frames(self.formatter.error_events(error_from_info(chunk.error)))
+        return self.frames(self.formatter.stream_events(chunk))
+
+    def end_frames(self) -> list[bytes]:
+        marker = self.formatter.done_marker
+        return [self._frame(marker)] if marker else []
+
+    def error_frames(self, error: FleetError) -> list[bytes]:
+        """The family's error events, then its end: the last frames of a failed stream."""
+        return self.frames(self.formatter.error_events(error)) + self.end_frames()
+
+    def _frame(self, encoded: bytes) -> bytes:
+        frame = encoded[:-1] + b"id: %d\n\n" % self.next_id  # every encoded event ends with a blank line
+        self.next_id += 1
+        return frame
+
+
+async def stream_frames(run: Run, envelope: RequestEnvelope, writer: EventWriter, first: GenerationChunk,
+                        rest: AsyncIterator[GenerationChunk]) -> AsyncIterator[list[bytes]]:
+    """The frames of a started stream, a list per chunk, ending with the family's end (or its
+    error events, on an error after the first byte). The run is released at its terminal chunk;
+    closing this early leaves the run to the caller, who closes it (which cancels it)."""
+    try:
+        chunk = first
+        while True:
+            if chunk.done:
+                await run.release()
+                writer.terminal = chunk
+            yield writer.chunk_frames(chunk)
+            _count_tokens(chunk, envelope)
+            if chunk.done:
+                break
+            chunk = await anext(rest)
+        yield writer.end_frames()
+    except FleetError as exc:  # e.g. the request timed out mid-stream
+        writer.error = exc
+        yield writer.error_frames(exc)
 
 
 class ClientDisconnected(Exception):
     """The client hung up before the response started."""
 
 
-async def _race_disconnect(request: Request, work):
+async def race_disconnect(request: Request, work):
     """Await `work`, or raise ClientDisconnected if the client hangs up first."""
     work_task = asyncio.ensure_future(work)
     disconnect_task = asyncio.ensure_future(_wait_for_disconnect(request))
@@ -254,38 +313,22 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-async def _sse_body(run: Run, envelope: RequestEnvelope, formatter: Formatter, first: GenerationChunk,
+async def _sse_body(run: Run, envelope: RequestEnvelope, writer: EventWriter, first: GenerationChunk,
                     rest: AsyncIterator[GenerationChunk], started: float) -> AsyncIterator[bytes]:
     error: BaseException | None = None
     try:
-        chunk = first
-        while True:
-            if chunk.done:
-                await run.release()
-            if chunk.error is not None:
-                for event in formatter.error_events(error_from_info(chunk.error)):
-                    yield formatter.encode(event)
-            else:
-                for event in formatter.stream_events(chunk):
-                    yield formatter.encode(event)
-            _count_tokens(chunk, envelope)
-            if chunk.done:
-                break
-            chunk = await anext(rest)
-        if formatter.done_marker:
-            yield formatter.done_marker
-    except FleetError as exc:  # e.g. the request timed out mid-stream
-        error = exc
-        for part in _error_stream(formatter, exc):
-            yield part
+        async for frames in stream_frames(run, envelope, writer, first, rest):
+            if frames:
+                yield b"".join(frames)
+        error = writer.error
     except BaseException as exc:  # the client went away: close the run, which cancels it
         error = exc
         raise
     finally:
-        _finish(run, envelope, formatter, started, error)
+        finish_run(run, envelope, writer.formatter, started, error)
 
 
-def _record_first_token(chunk: GenerationChunk, envelope: RequestEnvelope) -> None:
+def record_first_token(chunk: GenerationChunk, envelope: RequestEnvelope) -> None:
     if chunk.first_token:
         metrics.TIME_TO_FIRST_TOKEN.labels(envelope.model).observe(max(0.0, time.time() - envelope.arrival))
 
@@ -295,8 +338,9 @@ def _count_tokens(chunk: GenerationChunk, envelope: RequestEnvelope) -> None:
         metrics.RELAYED_TOKENS.labels(envelope.model).inc(chunk.usage.completion_tokens)
 
 
-def _finish(run: Run, envelope: RequestEnvelope, formatter: Formatter, started: float,
-            error: BaseException | None) -> None:
+def finish_run(run: Run, envelope: RequestEnvelope, formatter: Formatter, started: float,
+               error: BaseException | None) -> None:
+    """Close the run (cancelling it if it has not ended) and count the request: once per request."""
     reason = "deadline" if isinstance(error, FleetError) and error.code == "request_timeout" else "disconnect"
     run.close(reason)
     metrics.OPEN_STREAMS.dec()

@@ -1,0 +1,593 @@
+"""The OpenAI Responses API: POST /v1/responses (streaming, background), retrieve, delete, cancel.
+
+A Responses request becomes the chat request `vllm serve` builds from it (its
+`construct_input_messages`): `instructions` a system message, input items chat messages,
+function tools chat tools, `text.format` a response_format, `max_output_tokens` max_tokens. The
+worker serves it as kind "chat"; `ResponsesFormatter` renders the typed chunks into Responses
+events (vLLM's `SimpleStreamingEventProcessor`: one output item per reasoning, text or tool call
+run, opened and closed as the delta's kind changes), or into one Response object.
+
+State lives in Redis (`response_store.py`), so every replica answers for every response:
+`previous_response_id` continues a conversation stored by another gateway, and retrieve, delete,
+cancel and resuming a background stream work anywhere. Where `vllm serve` differs (its store is a
+per-process dict, off by default), docs/parity.md says how.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from pydantic import Field, model_validator
+from starlette.responses import Response, StreamingResponse
+
+from gateway.errors import error_body, json_response
+from gateway.fleet import Fleet
+from gateway.openai.response_store import ResponseStore, StoredResponse
+from gateway.protocol import MAX_STOP_STRINGS, FieldRuleError, OpenAIModel, check_sampling
+from gateway.serving import Formatter, new_envelope, request_json, serve_generation
+from shared.envelopes import Candidate, GenerationChunk, RequestEnvelope, SamplingOptions, ToolCallDelta, Usage
+from shared.errors import FleetError, InvalidRequest
+
+router = APIRouter()
+
+ID_PREFIX = "resp_"
+ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+
+
+class ResponsesRequest(OpenAIModel):
+    """POST /v1/responses, with vLLM's defaults and its checks (unknown fields tolerated)."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    max_tool_calls: int | None = None
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] = "auto"
+    parallel_tool_calls: bool = True
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    include_reasoning: bool = True
+    store: bool = True
+    background: bool = False
+    stream: bool = False
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    service_tier: str = "auto"
+    truncation: Literal["auto", "disabled"] | None = "disabled"
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    stop: str | list[str] | None = None
+    logit_bias: dict[str, float] | None = None
+    top_logprobs: int | None = 0
+    chat_template_kwargs: dict[str, Any] | None = None
+    cancel_id: str | None = Field(default=None, min_length=1, max_length=256)
+    timeout: float | None = Field(default=None, gt=0)  # seconds; capped by the gateway's limit
+
+    @model_validator(mode="before")
+    @classmethod
+    def _vllm_rules(cls, data: Any) -> Any:
+        """vLLM's ResponsesRequest checks, with its messages (before the schema, as vLLM runs them)."""
+        if not isinstance(data, dict):
+            return data
+        if data.get("background") and not data.get("store", True):
+            raise FieldRuleError("background can only be used when `store` is true", param="background")
+        if data.get("prompt") is not None:
+            raise FieldRuleError("prompt template is not supported", param="prompt")
+        tools, choice = data.get("tools"), data.get("tool_choice", "auto")
+        named = isinstance(choice, dict) and choice.get("type") in ("function", "custom")
+        if not tools:
+            if choice in ("auto", "none"):
+                data = {**data, "tool_choice": "none"}  # what vLLM echoes in the response
+            elif choice == "required":
+                raise FieldRuleError("Tool choice 'required' must be specified with 'tools' parameter.",
+                                     param="tool_choice")
+            elif named:
+                raise FieldRuleError("Tool choice 'function' not found in 'tools' parameter.", param="tool_choice")
+        elif named and choice.get("name") not in {t.get("name") for t in tools if isinstance(t, dict)}:
+            raise FieldRuleError("Tool choice 'function' not found in 'tools' parameter.", param="tool_choice")
+        return data
+
+    @model_validator(mode="after")
+    def _shapes(self) -> ResponsesRequest:
+        if isinstance(self.input, list):
+            for item in self.input:
+                _check_item(item)
+        for tool in self.tools:
+            if tool.get("type") == "function" and not tool.get("name"):
+                raise FieldRuleError("a function tool needs a `name`", param="tools")
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS * 256:
+            raise FieldRuleError("too many stop sequences", param="stop")
+        fmt = (self.text or {}).get("format") or {}
+        if fmt.get("type") == "json_schema" and not isinstance(fmt.get("schema"), dict):
+            raise FieldRuleError("text.format of type 'json_schema' needs a `schema` object", param="text.format")
+        return self
+
+
+def _check_item(item: dict[str, Any]) -> None:
+    kind = item.get("type", "message" if "role" in item else None)
+    if kind not in ITEM_TYPES:
+        raise FieldRuleError(f"Unsupported input item type: {kind}", param="input")
+    required = {"message": ("role",), "function_call": ("call_id", "name", "arguments"),
+                "function_call_output": ("call_id", "output"), "reasoning": ()}[kind]
+    missing = [name for name in required if name not in item]
+    if missing:
+        raise FieldRuleError(f"a {kind} input item needs `{'`, `'.join(missing)}`", param="input")
+    if kind == "reasoning" and item.get("encrypted_content"):
+        raise FieldRuleError("Encrypted content is not supported.", param="input")
+
+
+# --- Responses input -> chat messages (vLLM's construct_input_messages) ---------------------------
+
+def _part(part: Any) -> Any:
+    """A content part as the chat API names it (vLLM's chat parser reads both names alike)."""
+    if not isinstance(part, dict):
+        return part
+    if part.get("type") in ("input_text", "output_text"):
+        return {"type": "text", "text": part.get("text", "")}
+    if part.get("type") == "input_image" and part.get("image_url"):
+        return {"type": "image_url", "image_url": {"url": part["image_url"]}}
+    return part
+
+
+def _text_of(content: Any) -> str | None:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content and isinstance(content[0], dict):
+        return content[0].get("text")
+    return None
+
+
+def _item_message(item: dict[str, Any], previous: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The chat message of one item, or None when it joined `previous` (an assistant turn spans
+    its reasoning, text and tool calls)."""
+    assistant = previous if previous is not None and previous.get("role") == "assistant" else None
+    kind = item.get("type", "message")
+    if kind == "function_call":
+        call = {"id": item["call_id"], "type": "function",
+                "function": {"name": item["name"], "arguments": item["arguments"]}}
+        if assistant is not None:
+            assistant.setdefault("tool_calls", []).append(call)
+            return None
+        return {"role": "assistant", "tool_calls": [call]}
+    if kind == "function_call_output":
+        return {"role": "tool", "content": item["output"], "tool_call_id": item["call_id"]}
+    if kind == "reasoning":
+        parts = item.get("content") or item.get("summary") or [{}]
+        reasoning = parts[0].get("text", "")
+        if assistant is not None and assistant.get("reasoning") is None:
+            assistant["reasoning"] = reasoning
+            return None
+        return {"role": "assistant", "reasoning": reasoning}
+    if item["role"] == "assistant":
+        text = _text_of(item.get("content"))
+        if assistant is not None and assistant.get("content") is None:
+            assistant["content"] = text
+            return None
+        return {"role": "assistant", "content": text}
+    message = {key: value for key, value in item.items() if key not in ("type", "id", "status")}
+    if isinstance(message.get("content"), list):
+        message["content"] = [_part(part) for part in message["content"]]
+    return message
+
+
+def items_to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = []
+    for item in items:
+        message = _item_message(item, messages[-1] if messages else None)
+        if message is not None:
+            messages.append(message)
+    return messages
+
+
+def conversation(body: ResponsesRequest, previous: StoredResponse | None) -> list[dict[str, Any]]:
+    """The chat messages before `instructions`: the stored history, the previous response's output
+    (its reasoning, text and function calls), then this request's input."""
+    history = list(previous.history) if previous is not None else []
+    if previous is not None:
+        history += items_to_messages([_as_input(item) for item in previous.response.get("output", ())])
+    if isinstance(body.input, str):
+        return history + [{"role": "user", "content": body.input}]
+    return history + items_to_messages(body.input)
+
+
+def _as_input(item: dict[str, Any]) -> dict[str, Any]:
+    if item.get("type") == "message":
+        return {"type": "message", "role": "assistant", "content": item.get("content") or [{"text": ""}]}
+    return item
+
+
+# --- the chat body -----------------------------------------------------------------------------
+
+def _chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
+    if isinstance(choice, dict):
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return choice
+
+
+def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    fmt = (text or {}).get("format") or {}
+    if fmt.get("type") == "json_schema":
+        schema = {key: fmt[key] for key in ("name", "schema", "strict", "description") if key in fmt}
+        return {"type": "json_schema", "json_schema": {"name": "response", **schema}}
+    if fmt.get("type") == "json_object":
+        return {"type": "json_object"}
+    return None
+
+
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "seed", "stop", "logit_bias", "user", "chat_template_kwargs",
+                   "include_reasoning", "stop_token_ids", "ignore_eos", "min_tokens", "skip_special_tokens",
+                   "include_stop_str_in_output")
+
+
+def chat_body(body: ResponsesRequest, raw: dict[str, Any], model: str, messages: list[dict[str, Any]],
+              max_tokens: int | None, stream: bool) -> dict[str, Any]:
+    chat: dict[str, Any] = {"model": model, "messages": messages, "stream": stream}
+    chat.update({name: raw[name] for name in SAMPLING_FIELDS if raw.get(name) is not None})
+    if max_tokens is not None:
+        chat["max_tokens"] = max_tokens
+    functions = [t for t in body.tools if t.get("type", "function") == "function"]
+    if functions:
+        chat["tools"] = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
+                         for t in functions]
+        chat["tool_choice"] = _chat_tool_choice(body.tool_choice)
+        chat["parallel_tool_calls"] = body.parallel_tool_calls
+    if (response_format := _response_format(body.text)) is not None:
+        chat["response_format"] = response_format
+    if body.reasoning and body.reasoning.get("effort"):
+        chat["reasoning_effort"] = body.reasoning["effort"]
+    return chat
+
+
+def sampling_options(body: ResponsesRequest, max_tokens: int | None) -> SamplingOptions:
+    stop = [body.stop] if isinstance(body.stop, str) else body.stop
+    return SamplingOptions(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                           min_p=body.min_p, seed=body.seed, presence_penalty=body.presence_penalty,
+                           frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
+                           logit_bias=body.logit_bias, stop=stop)
+
+
+# --- rendering ---------------------------------------------------------------------------------
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"annotations": [], "text": text, "type": "output_text", "logprobs": None}
+
+
+def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {"id": item_id, "content": [_text_part(text)] if text else [], "role": "assistant", "status": status,
+            "type": "message"}
+
+
+def _reasoning_item(item_id: str, text: str, status: str | None) -> dict[str, Any]:
+    return {"id": item_id, "summary": [], "type": "reasoning",
+            "content": [{"text": text, "type": "reasoning_text"}], "encrypted_content": None, "status": status}
+
+
+def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+    return {"arguments": arguments, "call_id": call_id, "name": name, "type": "function_call", "id": item_id,
+            "status": status}
+
+
+STATUS_BY_FINISH = {"length": "incomplete", "cancelled": "cancelled", "error": "failed"}
+# The event that ends a stream, by the response's status. A cancelled response ends with
+# response.incomplete: the API names no event of its own for it, and the SDK's stream ends on this one.
+FINAL_EVENTS = {"completed": "response.completed", "incomplete": "response.incomplete",
+                "cancelled": "response.incomplete", "failed": "response.failed"}
+
+
+class ResponsesFormatter(Formatter):
+    """Chunks -> Responses events, each with its `sequence_number`; or one Response object."""
+
+    endpoint = "responses"
+    named_events = True
+    done_marker = None
+
+    def __init__(self, body: ResponsesRequest, envelope: RequestEnvelope, max_model_len: int):
+        # Not the chat base's state (choices, running usage): a Response has one output stream.
+        self.body = body
+        self.response_id = ID_PREFIX + envelope.request_id
+        self.created = int(envelope.arrival)
+        self.model = envelope.model
+        self.max_model_len = max_model_len
+        self.max_tokens = envelope.params.max_tokens
+        self.prompt_tokens = 0
+        self.sequence = 0
+        self.started = False
+        self.state: str | None = None  # "reasoning", "text", "call" or None: the open output item
+        self.item: dict[str, Any] = {}
+        self.call_index: int | None = None
+        self.output: list[dict[str, Any]] = []
+        self.final: dict[str, Any] | None = None  # the whole Response once it has ended
+
+    # -- the Response object --
+    def response_object(self, status: str, output: list[dict[str, Any]], usage: Usage | None = None,
+                        error: FleetError | None = None) -> dict[str, Any]:
+        body = self.body
+        sampling = body.temperature, body.top_p
+        room = self.max_model_len - self.prompt_tokens
+        response = {
+            "id": self.response_id, "created_at": self.created,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": body.instructions, "metadata": body.metadata, "model": self.model,
+            "object": "response", "output": output, "parallel_tool_calls": body.parallel_tool_calls,
+            "temperature": 1.0 if sampling[0] is None else sampling[0], "tool_choice": body.tool_choice,
+            "tools": body.tools, "top_p": 1.0 if sampling[1] is None else sampling[1], "background": body.background,
+            "max_output_tokens": min(self.max_tokens, room) if self.max_tokens is not None else room,
+            "max_tool_calls": body.max_tool_calls, "previous_response_id": body.previous_response_id,
+            "prompt": None, "reasoning": body.reasoning, "service_tier": body.service_tier, "status": status,
+            "text": body.text, "top_logprobs": None, "truncation": body.truncation,
+            "usage": _usage(usage) if usage is not None else None, "user": body.user,
+            "presence_penalty": body.presence_penalty or 0.0, "frequency_penalty": body.frequency_penalty or 0.0,
+            "kv_transfer_params": None, "ec_transfer_params": None, "input_messages": None,
+            "output_messages": None,
+        }
+        if error is not None:
+            response["error"] = {"code": "server_error" if error.status >= 500 else "invalid_prompt",
+                                 "message": error.message}
+        return response
+
+    def response(self, terminal: GenerationChunk) -> dict[str, Any]:
+        self._take_usage(terminal)
+        candidate = (terminal.candidates or [Candidate(0, finish_reason=terminal.finish_reason)])[0]
+        output = []
+        if candidate.reasoning and self.body.include_reasoning:
+            output.append(_reasoning_item(_item_id("rs"), candidate.reasoning, None))
+        if candidate.text:
+            output.append(_message_item(_item_id("msg"), candidate.text, "completed"))
+        for call in candidate.tool_calls or ():
+            output.append(_call_item(_item_id("fc"), call.id or _item_id("call"), call.name or "", call.arguments,
+                                     "completed"))
+        status = STATUS_BY_FINISH.get(candidate.finish_reason or terminal.finish_reason, "completed")
+        self.final = self.response_object(status, output, terminal.usage)
+        return self.final
+
+    # -- events --
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        event = {"type": kind, **fields, "sequence_number": self.sequence}
+        self.sequence += 1
+        return event
+
+    def _take_usage(self, chunk: GenerationChunk) -> None:
+        if chunk.usage is not None and chunk.usage.prompt_tokens:
+            self.prompt_tokens = chunk.usage.prompt_tokens
+
+    def _opening(self) -> list[dict[str, Any]]:
+        if self.started:
+            return []
+        self.started = True
+        created = self.response_object("in_progress", [])
+        return [self._event("response.created", response=created),
+                self._event("response.in_progress", response=created)]
+
+    def stream_events(self, chunk: GenerationChunk) -> list[dict[str, Any]]:
+        self._take_usage(chunk)
+        events = self._opening()
+        if chunk.reasoning and self.body.include_reasoning:
+            events += self._into("reasoning") + self._reasoning_delta(chunk.reasoning)
+        if chunk.text:
+            events += self._into("text") + self._text_delta(chunk.text)
+        for call in chunk.tool_calls or ():
+            events += self._into("call", call) + self._arguments_delta(call.arguments)
+        if chunk.done:
+            events += self._close()
+            status = STATUS_BY_FINISH.get(chunk.finish_reason, "completed")
+            self.final = self.response_object(status, self.output, chunk.usage)
+            events.append(self._event(FINAL_EVENTS[status], response=self.final))
+        return events
+
+    def error_events(self, error: FleetError) -> list[dict[str, Any]]:
+        events = self._opening() + self._close()
+        self.final = self.response_object("failed", self.output, None, error)
+        return events + [self._event("error", code=error.code, message=error.message, param=error.param),
+                         self._event("response.failed", response=self.final)]
+
+    def _into(self, state: str, call: ToolCallDelta | None = None) -> list[dict[str, Any]]:
+        """Close the open item and open one of `state`, unless it is already the open one."""
+        if self.state == state and (state != "call" or call.index == self.call_index):
+            return []
+        events = self._close()
+        self.state = state
+        index = len(self.output)
+        if state == "call":
+            self.call_index = call.index
+            self.item = _call_item(_item_id("fc"), call.id or _item_id("call"), call.name or "", "", "in_progress")
+            return events + [self._event("response.output_item.added", output_index=index, item=self.item)]
+        if state == "text":
+            self.item = _message_item(_item_id("msg"), "", "in_progress")
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        else:
+            self.item = _reasoning_item(_item_id("rs"), "", "in_progress")
+            self.item["content"] = None
+            part = {"text": "", "type": "reasoning_text"}
+        self.item["text"] = ""
+        return events + [self._event("response.output_item.added", output_index=index,
+                                     item={k: v for k, v in self.item.items() if k != "text"}),
+                         self._event("response.content_part.added", output_index=index, item_id=self.item["id"],
+                                     content_index=0, part=part)]
+
+    def _where(self) -> dict[str, Any]:
+        return {"output_index": len(self.output), "item_id": self.item["id"]}
+
+    def _text_delta(self, text: str) -> list[dict[str, Any]]:
+        self.item["text"] += text
+        return [self._event("response.output_text.delta", content_index=0, delta=text, logprobs=[], **self._where())]
+
+    def _reasoning_delta(self, text: str) -> list[dict[str, Any]]:
+        self.item["text"] += text
+        return [self._event("response.reasoning_text.delta", content_index=0, delta=text, **self._where())]
+
+    def _arguments_delta(self, arguments: str) -> list[dict[str, Any]]:
+        if not arguments:
+            return []
+        self.item["arguments"] += arguments
+        return [self._event("response.function_call_arguments.delta", delta=arguments, **self._where())]
+
+    def _close(self) -> list[dict[str, Any]]:
+        """The .done events of the open item, which joins the output."""
+        if self.state is None:
+            return []
+        where, state = self._where(), self.state
+        self.state = None
+        if state == "call":
+            item = {**self.item, "status": "completed"}
+            events = [self._event("response.function_call_arguments.done", arguments=item["arguments"],
+                                  name=item["name"], **where)]
+        elif state == "text":
+            text = self.item["text"]
+            item = _message_item(self.item["id"], text, "completed")
+            part = _text_part(text)
+            events = [self._event("response.output_text.done", content_index=0, text=text, logprobs=[], **where),
+                      self._event("response.content_part.done", content_index=0, part=part, **where)]
+        else:
+            text = self.item["text"]
+            item = _reasoning_item(self.item["id"], text, "completed")
+            events = [self._event("response.reasoning_text.done", content_index=0, text=text, **where),
+                      self._event("response.content_part.done", content_index=0,
+                                  part={"text": text, "type": "reasoning_text"}, **where)]
+        self.output.append(item)
+        return events + [self._event("response.output_item.done", output_index=where["output_index"], item=item)]
+
+
+def _usage(usage: Usage) -> dict[str, Any]:
+    return {
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0,
+                                 "input_tokens_per_turn": [], "cached_tokens_per_turn": []},
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens or 0, "tool_output_tokens": 0,
+                                  "output_tokens_per_turn": [], "tool_output_tokens_per_turn": []},
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+    }
+
+
+# --- routes ------------------------------------------------------------------------------------
+
+def response_store(fleet: Fleet) -> ResponseStore:
+    """The store of this gateway's Redis, made once per fleet."""
+    store = getattr(fleet, "response_store", None)
+    if store is None:  # the Fleet knows nothing of the families; the first Responses request makes it
+        settings = fleet.settings
+        store = fleet.response_store = ResponseStore(
+            fleet.redis, int(settings.response_store_ttl_s), settings.response_store_max_bytes,
+            settings.response_store_max_entries)
+    return store
+
+
+def not_found(response_id: str) -> Response:
+    return json_response(error_body(f"Response with id '{response_id}' not found.", 404, "response_id",
+                                    "invalid_request_error"), 404)
+
+
+async def _previous(store: ResponseStore, response_id: str | None) -> StoredResponse | None:
+    if response_id is None:
+        return None
+    previous = await store.get(response_id)
+    if previous is None:
+        raise _NotFound(response_id)
+    return previous
+
+
+class _NotFound(Exception):
+    def __init__(self, response_id: str):
+        super().__init__(response_id)
+        self.response_id = response_id
+
+
+@router.post("/v1/responses")
+async def create_response(body: ResponsesRequest, request: Request) -> Response:
+    fleet: Fleet = request.app.state.fleet
+    store = response_store(fleet)
+    raw = await request_json(request)
+    view = await fleet.registry.resolve(body.model)
+    try:
+        previous = await _previous(store, body.previous_response_id)
+    except _NotFound as exc:
+        return not_found(exc.response_id)
+    history = conversation(body, previous)
+    messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + history
+    max_tokens = min(body.max_output_tokens, view.max_model_len) if body.max_output_tokens is not None else None
+    params = sampling_options(body, max_tokens)
+    check_sampling(params, view.max_model_len, "max_output_tokens")
+    stream = body.stream or body.background  # a background run keeps its events for a later reader
+    chat = chat_body(body, raw, view.name, messages, max_tokens, stream)
+    envelope = new_envelope(chat, "chat", view.name, fleet.settings, body=None, params=params)
+    envelope.stream, envelope.cancel_id = stream, body.cancel_id
+    if body.timeout:
+        envelope.deadline = min(envelope.deadline, envelope.arrival + body.timeout)
+    formatter = ResponsesFormatter(body, envelope, view.max_model_len)
+    if body.background:
+        return await _start_background(request, fleet, store, envelope, formatter, history)
+    answer = await serve_generation(request, fleet, envelope, formatter)
+    if not body.store:
+        return answer
+    if isinstance(answer, StreamingResponse):
+        answer.body_iterator = _saved_before_end(answer.body_iterator, formatter, store, history)
+    elif formatter.final is not None:
+        await store.save(formatter.final, history)
+    return answer
+
+
+async def _saved_before_end(parts: AsyncIterator[bytes], formatter: ResponsesFormatter, store: ResponseStore,
+                            history: list[dict[str, Any]]) -> AsyncIterator[bytes]:
+    """The stream, with its Response stored before the client reads its end: a client that then
+    continues from it, on any replica, finds it."""
+    saved = False
+    async for part in parts:
+        if not saved and formatter.final is not None:
+            saved = True
+            await store.save(formatter.final, history)
+        yield part
+
+
+async def _start_background(request: Request, fleet: Fleet, store: ResponseStore, envelope: RequestEnvelope,
+                            formatter: ResponsesFormatter, history: list[dict[str, Any]]) -> Response:
+    raise InvalidRequest("background responses are not available yet", param="background")
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(response_id: str, request: Request, stream: bool = False,
+                            starting_after: int | None = None) -> Response:
+    fleet: Fleet = request.app.state.fleet
+    stored = await response_store(fleet).get(response_id)
+    if stored is None:
+        return not_found(response_id)
+    return json_response(stored.response)
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request) -> Response:
+    if not await response_store(request.app.state.fleet).delete(response_id):
+        return not_found(response_id)
+    return json_response({"id": response_id, "object": "response", "deleted": True})
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(response_id: str, request: Request) -> Response:
+    fleet: Fleet = request.app.state.fleet
+    store = response_store(fleet)
+    before = await store.cancel(response_id)
+    if before is None:
+        return not_found(response_id)
+    if before not in ("queued", "in_progress"):
+        return json_response(error_body("Cannot cancel a synchronous response.", 400, "response_id",
+                                        "invalid_request_error"), 400)
+    if response_id.startswith(ID_PREFIX):
+        await fleet.cancels.cancel_requests([response_id.removeprefix(ID_PREFIX)], "explicit", time.time())
+    stored = await store.get(response_id)
+    return json_response(stored.response if stored is not None else {"id": response_id, "status": "cancelled"})
