@@ -122,7 +122,10 @@ def gateway(host: str, port: int, redis_url: str, request_timeout: float, queue_
 @option("reasoning-parser", default=None)
 @option("scripted-tokens-per-second", default=0.0, type=float, help="Scripted engine pace (0: no pause).")
 @option("scripted-first-token-delay", default=0.0, type=float, help="Scripted engine delay, seconds.")
-def worker(model, engine, served_model_name, redis_url, max_concurrency, metrics_port, claim_idle,
+@option("kinds", default="", help="Comma-separated request kinds to accept (chat, completion, tokenize, "
+        "detokenize); default: every kind the engine answers. Gateways queue no other kind for the model "
+        "while no live worker accepts it.")
+def worker(model, engine, served_model_name, redis_url, max_concurrency, metrics_port, claim_idle, kinds,
            scripted_tokens_per_second,
            scripted_first_token_delay, chat_template, tool_call_parser, enable_auto_tool_choice, reasoning_parser,
            **engine_options) -> None:
@@ -149,8 +152,12 @@ def worker(model, engine, served_model_name, redis_url, max_concurrency, metrics
         adapter = VLLMAdapter(engine_args, name, chat_template=_read(chat_template),
                               tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice,
                               reasoning_parser=reasoning_parser)
+    accepted = tuple(kind.strip() for kind in kinds.split(",") if kind.strip()) or adapter.kinds
+    if unknown := set(accepted) - set(adapter.kinds):
+        raise click.BadParameter(f"the {engine} engine cannot answer {', '.join(sorted(unknown))} requests; it "
+                                 f"answers {', '.join(adapter.kinds)}", param_hint="--kinds")
     # uvloop, as `vllm serve` runs: the worker's loop relays every token of every request.
-    uvloop.run(serve(adapter, redis_url, max_concurrency, metrics_port, claim_idle))
+    uvloop.run(serve(adapter, redis_url, max_concurrency, metrics_port, claim_idle, accepted))
 
 
 def _read(path: str | None) -> str | None:

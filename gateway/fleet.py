@@ -228,6 +228,7 @@ class Fleet:
         """Register the request and queue it for its model's workers; return its `Run`."""
         if self.draining:
             raise ServiceUnavailable("This gateway is shutting down; retry on another replica.")
+        self.registry.check_kind(envelope.model, envelope.kind)
         if not self.router.connected.is_set():  # replies would have nowhere to land
             raise ServiceUnavailable("The request queue is unreachable; try again shortly.")
         if self.router.open_requests >= self.settings.max_open_requests:

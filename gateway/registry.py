@@ -9,6 +9,10 @@ worker (KEDA scales workers from zero on the request stream's length), and if no
 gateway ends the request with a 503 at its queue timeout (`Run` in fleet.py). Remembering served
 models keeps a Redis restart (which loses every key) from reading as a 404.
 
+Each heartbeat says which request kinds its worker accepts (chat, completion, tokenize,
+detokenize); while a model has live workers, a request of a kind none of them accepts is a 503 at
+once (`check_kind`), never queued.
+
 Each refresh also reads every known model's request stream (one pipeline) for the backlog
 gauges: requests waiting for a worker and requests running on one.
 """
@@ -28,7 +32,7 @@ from gateway import metrics
 from shared import keys
 from shared.codec import decode
 from shared.envelopes import WorkerInfo
-from shared.errors import EnvelopeError, ModelNotFound
+from shared.errors import EnvelopeError, ModelNotFound, ServiceUnavailable
 from shared.stopping import pause
 
 log = logging.getLogger(__name__)
@@ -156,6 +160,17 @@ class WorkerRegistry:
         """Some live worker (draining or not) announces `model`."""
         view = self.models.get(model)
         return view is not None and bool(view.workers)
+
+    def check_kind(self, model: str, kind: str) -> None:
+        """Refuse at once (503) a request of a kind that no live worker of `model` accepts: queued, it
+        would wait out its deadline, or be refused by whichever worker claimed it. A model with no live
+        worker at all queues every kind, as ever: the worker that starts for it may accept it."""
+        view = self.models.get(model)
+        if view is None or not view.workers or any(kind in w.kinds for w in view.workers):
+            return
+        accepted = sorted({k for w in view.workers for k in w.kinds})
+        raise ServiceUnavailable(f"No live worker of the model `{model}` accepts {kind} requests (they accept: "
+                                 f"{', '.join(accepted)}).", code="kind_not_served")
 
     async def resolve(self, model: str | None) -> ModelView:
         """The view of `model` to queue a request for, or the error a client should get for it.

@@ -27,6 +27,7 @@ from shared.errors import EnvelopeError, ErrorInfo
 WIRE_VERSION = 1
 
 Kind = Literal["chat", "completion", "tokenize", "detokenize"]
+KINDS: tuple[Kind, ...] = ("chat", "completion", "tokenize", "detokenize")
 # "stop", "length", "tool_calls", "cancelled", "error", or another reason the engine gives
 # (vLLM's "repetition"); the gateway shows it as the engine's server would.
 FinishReason = str
@@ -127,7 +128,7 @@ class RequestEnvelope:
             raise EnvelopeError(f"malformed RequestEnvelope: {exc}") from exc
         if not isinstance(envelope.request_id, str) or not isinstance(envelope.reply_to, str):
             raise EnvelopeError("request_id and reply_to must be strings")
-        if envelope.kind not in ("chat", "completion", "tokenize", "detokenize"):
+        if envelope.kind not in KINDS:
             raise EnvelopeError(f"unknown request kind {envelope.kind!r}")
         return envelope
 
@@ -326,6 +327,9 @@ class WorkerInfo:
     draining: bool = False
     v: int = WIRE_VERSION
     completed: int = 0  # requests answered since the worker started (the fleet's drain rate)
+    # The request kinds this worker accepts. A heartbeat without the field is from a worker older
+    # than it, which accepted every kind of its time: these.
+    kinds: list[str] = field(default_factory=lambda: list(KINDS))
 
     def to_wire(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in _FIELDS[WorkerInfo]}

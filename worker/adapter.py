@@ -22,6 +22,7 @@ class GenerationAdapter(ABC):
     """An engine that turns a request envelope into a stream of generation chunks."""
 
     engine_name: str = "unknown"
+    kinds: tuple[str, ...] = ("chat", "completion")  # the request kinds the engine can answer
 
     def __init__(self, served_model_name: str, max_model_len: int):
         self.served_model_name = served_model_name

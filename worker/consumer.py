@@ -70,7 +70,7 @@ def new_worker_id() -> str:
 
 class RequestConsumer:
     def __init__(self, redis: aioredis.Redis, adapter: GenerationAdapter, max_concurrency: int,
-                 worker_id: str | None = None, claim_idle_s: float = 3.0):
+                 worker_id: str | None = None, claim_idle_s: float = 3.0, kinds: tuple[str, ...] = ()):
         self.redis = redis
         # The per-request commands (lease, dead letters) of every request go out in shared pipelines:
         # a claim of hundreds of requests is one round trip, not hundreds of connections.
@@ -78,6 +78,8 @@ class RequestConsumer:
         self.adapter = adapter
         self.model = adapter.served_model_name
         self.max_concurrency = max_concurrency
+        # The request kinds this worker answers, as its heartbeat announces them; it refuses the others.
+        self.kinds = tuple(kinds or adapter.kinds)
         self.claim_idle_s = claim_idle_s
         self.worker_id = worker_id or new_worker_id()
         self.stream = keys.request_stream(self.model)
@@ -291,6 +293,10 @@ class RequestConsumer:
             return _cancelled_terminal(request)
         if not isinstance(self.adapter, GenerationAdapter):
             return _error_terminal(EngineError(f"{type(self.adapter).__name__} cannot generate text"))
+        if request.kind not in self.kinds:  # queued by a gateway that did not know this worker yet
+            return _error_terminal(ServiceUnavailable(
+                f"The worker that took this request serves only {', '.join(self.kinds)} requests of "
+                f"`{self.model}`, not {request.kind}; retry the request.", code="kind_not_served"))
         waited = time.time() - request.arrival
         if request.queue_deadline and time.time() > request.queue_deadline:
             metrics.QUEUE_TIMEOUTS.labels(self.model).inc()
@@ -453,7 +459,7 @@ class RequestConsumer:
             info = WorkerInfo(
                 worker_id=self.worker_id, model=self.model, max_model_len=self.adapter.max_model_len,
                 capacity=self.max_concurrency, in_flight=self.in_flight, engine=self.adapter.engine_name,
-                started=self.started, draining=self.draining, completed=self.completed,
+                started=self.started, draining=self.draining, completed=self.completed, kinds=list(self.kinds),
             )
             pipe = (self.redis.pipeline(transaction=False)
                     .set(keys.worker_key(self.worker_id), encode(info), ex=keys.HEARTBEAT_TTL_S)

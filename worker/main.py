@@ -27,7 +27,7 @@ REDIS_CLOSE_S = 2.0
 
 
 async def serve(adapter: GenerationAdapter, redis_url: str, max_concurrency: int, metrics_port: int = 0,
-                claim_idle_s: float = 3.0) -> None:
+                claim_idle_s: float = 3.0, kinds: tuple[str, ...] = ()) -> None:
     await adapter.start()
     if metrics_port:
         start_http_server(metrics_port)
@@ -35,12 +35,12 @@ async def serve(adapter: GenerationAdapter, redis_url: str, max_concurrency: int
     worker_id = new_worker_id()
     redis = redis_pool.connect(redis_url, max_connections=REDIS_CONNECTIONS, wait_s=REDIS_POOL_WAIT_S,
                                client_name=worker_id)
-    consumer = RequestConsumer(redis, adapter, max_concurrency, worker_id, claim_idle_s=claim_idle_s)
+    consumer = RequestConsumer(redis, adapter, max_concurrency, worker_id, claim_idle_s=claim_idle_s, kinds=kinds)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, consumer.stop)
-    log.info("worker %s serving %s (max concurrency %d)", consumer.worker_id, adapter.served_model_name,
-             max_concurrency)
+    log.info("worker %s serving %s (max concurrency %d; %s requests)", consumer.worker_id,
+             adapter.served_model_name, max_concurrency, ", ".join(consumer.kinds))
     try:
         await consumer.run()
     finally:

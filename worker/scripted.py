@@ -47,6 +47,7 @@ def _message_text(message: dict) -> str:
 
 class ScriptedAdapter(GenerationAdapter):
     engine_name = "scripted"
+    kinds = ("chat", "completion")  # no tokenizer: no tokenize, detokenize
 
     def __init__(
         self,

@@ -42,7 +42,7 @@ from vllm.exceptions import VLLMError
 from vllm.renderers.online_renderer import OnlineRenderer
 from vllm.v1.engine.async_llm import AsyncLLM
 
-from shared.envelopes import Candidate, GenerationChunk, RequestEnvelope, ToolCallDelta, Usage
+from shared.envelopes import KINDS, Candidate, GenerationChunk, RequestEnvelope, ToolCallDelta, Usage
 from shared.errors import ErrorInfo
 from worker.adapter import GenerationAdapter
 
@@ -52,6 +52,7 @@ _TOKENIZE = pydantic.TypeAdapter(TokenizeRequest)
 
 class VLLMAdapter(GenerationAdapter):
     engine_name = "vllm"
+    kinds = KINDS
 
     def __init__(self, engine_args: AsyncEngineArgs, served_model_name: str | None = None, *,
                  chat_template: str | None = None, tool_call_parser: str | None = None,
