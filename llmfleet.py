@@ -26,9 +26,15 @@ CACHE_DIR = Path(os.environ.get("LLMFLEET_CACHE_DIR", Path.home() / ".cache" / "
 
 @click.group(context_settings={"auto_envvar_prefix": "LLMFLEET", "show_default": True})
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
-def main(log_level: str) -> None:
+@click.option("--log-format", default="text", type=click.Choice(["text", "json"]),
+              help="text: one readable line per record; json: one JSON object per line (for log collectors). "
+              "Either way each line about a request carries its id.")
+def main(log_level: str, log_format: str) -> None:
     """llmfleet: OpenAI-compatible serving from a fleet of vLLM workers behind Redis."""
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from shared import logs
+
+    logs.setup(log_level, log_format)
+    os.environ["LLMFLEET_LOG_FORMAT"] = log_format  # the processes `up` starts log the same way
 
 
 def _env(name: str) -> str:

@@ -1,21 +1,34 @@
-"""Every HTTP response a gateway gives, counted: refusals before a request reaches the queue
-(400, 404, 413, 429, 503) as much as answers, and errors inside a stream by their own status.
+"""Every HTTP response a gateway gives, counted and logged: refusals before a request reaches the
+queue (400, 404, 413, 429, 503) as much as answers, and errors inside a stream by their own status.
 
 `CountResponses` is plain ASGI middleware around the whole app. It holds one small dict per
 request (`facts`) in a context variable; the code serving the request adds what it learns to
-it through `note` (the model once resolved, the status of an error met after the first byte),
-so the count needs nothing passed through the routes. A streaming body runs in a child task,
-which shares the dict.
+it through `note` (the model once resolved, the status of an error met after the first byte,
+tokens, time to first token, the worker), so the count needs nothing passed through the
+routes. A streaming body runs in a child task, which shares the dict.
+
+It also gives each request its id: the client's `X-Request-Id` (if it is a sane token) or a new
+one, echoed on the response, carried to the worker in the envelope, and on every log line
+about the request (`shared.logs`), the access line included: one per request, at its end.
 """
 
 from __future__ import annotations
 
 import contextvars
+import logging
+import re
+import time
+import uuid
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import metrics
+from shared.logs import REQUEST_ID
+
+access_log = logging.getLogger("gateway.access")
+
+_SANE_ID = re.compile(rb"[A-Za-z0-9._:/+=@-]{1,128}")
 
 # Route path -> (family, endpoint). Other routes count as family "llmfleet" under their path
 # template; a path no route matches counts as endpoint "unmatched" (bounded labels).
@@ -45,12 +58,17 @@ class CountResponses:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        started = time.monotonic()
+        request_id = _request_id(scope)
         facts: dict[str, Any] = {}
         token = _facts.set(facts)
+        id_token = REQUEST_ID.set(request_id)
+        id_header = (b"x-request-id", request_id.encode())
 
         async def noting_send(message: Message) -> None:
             if message["type"] == "http.response.start":
                 facts.setdefault("sent_status", message["status"])
+                message = {**message, "headers": [*message.get("headers", ()), id_header]}
             await send(message)
 
         try:
@@ -59,14 +77,33 @@ class CountResponses:
             facts.setdefault("status", 500 if "sent_status" not in facts else 499)
             raise
         finally:
+            _account(scope, facts, time.monotonic() - started)
+            REQUEST_ID.reset(id_token)
             _facts.reset(token)
-            _count(scope, facts)
 
 
-def _count(scope: Scope, facts: dict[str, Any]) -> None:
+def _request_id(scope: Scope) -> str:
+    for name, value in scope["headers"]:
+        if name == b"x-request-id" and _SANE_ID.fullmatch(value):
+            return value.decode()
+    return uuid.uuid4().hex
+
+
+def _account(scope: Scope, facts: dict[str, Any], elapsed: float) -> None:
     route = scope.get("route")
     # A 413 from BodySizeLimit comes before routing: an API path still names its family.
     path = route.path if route is not None else scope["path"] if scope["path"] in FAMILIES else None
     family, endpoint = FAMILIES.get(path) or ("llmfleet", path or "unmatched")
     status = facts.get("status") or facts.get("sent_status") or 500
-    metrics.REQUESTS.labels(family, endpoint, facts.get("model", ""), str(status)).inc()
+    model = facts.get("model", "")
+    metrics.REQUESTS.labels(family, endpoint, model, str(status)).inc()
+    if access_log.isEnabledFor(logging.INFO) and endpoint not in _QUIET:
+        access_log.info("%s %s %s", scope["method"], scope["path"], status, extra={"fields": {
+            "family": family, "model": model or None, "status": status, "total_s": elapsed,
+            "ttft_s": facts.get("ttft_s"), "queue_s": facts.get("queue_s"), "prompt_tokens": facts.get("prompt_tokens"),
+            "completion_tokens": facts.get("completion_tokens"), "worker": facts.get("worker"),
+            "cancel": facts.get("cancel"), "request": facts.get("engine_request_id")}})
+
+
+# Probes and scrapes: answered many times a minute, never about a request.
+_QUIET = frozenset({"/health", "/ready", "/metrics"})

@@ -86,8 +86,8 @@ def serve(settings: GatewaySettings, host: str, port: int, log_level: str = "inf
     # cloud load balancers: 60 s): a peer must never reuse a connection the gateway is closing,
     # which would surface as a reset on a request the gateway never saw.
     config = uvicorn.Config(CloseWhenDraining(app), host=host, port=port, loop="uvloop", http="httptools",
-                            log_level=log_level, access_log=False, proxy_headers=False, timeout_graceful_shutdown=5,
-                            timeout_keep_alive=75)
+                            log_level=log_level, log_config=None, access_log=False, proxy_headers=False,
+                            timeout_graceful_shutdown=5, timeout_keep_alive=75)
     # The modules loaded so far live as long as the process: keep them out of every collection,
     # so that a full collection with thousands of open streams scans only what those streams made.
     gc.collect()

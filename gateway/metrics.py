@@ -27,3 +27,6 @@ BACKLOG = Gauge("llmfleet_gateway_backlog", "Requests in the model's queue: wait
                 "or running on a worker (claimed, not yet answered)", ["model", "state"])
 LIVE_WORKERS = Gauge("llmfleet_gateway_live_workers", "Workers with a live heartbeat serving the model "
                      "(draining ones included)", ["model"])
+RELAY_DELAY = Histogram("llmfleet_gateway_relay_seconds", "From a worker's reply reaching Redis (its stream entry's "
+                        "id) to this gateway reading it", buckets=(0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1,
+                                                                    0.25, 0.5, 1, 2.5))

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from gateway import metrics
 from shared import keys
 from shared.codec import decode, decode_batch
 from shared.envelopes import ChunkEnvelope, GenerationChunk
@@ -81,8 +83,11 @@ class ReplyRouter:
                 self.connected.clear()
                 await pause(self.stopping, 0.5)
                 continue
+            now_ms = time.time() * 1000
             for _stream, entries in replies or ():
-                for _entry_id, fields in entries:
+                for entry_id, fields in entries:
+                    # An entry's id is Redis's clock when the worker's XADD reached it (ms).
+                    metrics.RELAY_DELAY.observe(max(0.0, now_ms - int(entry_id.split(b"-", 1)[0])) / 1000)
                     self._deliver(fields)
                 self._last_id = entries[-1][0]
 

@@ -36,6 +36,7 @@ from gateway.fleet import Fleet, GatewaySettings, Run
 from gateway.protocol import GenerationRequest
 from shared.envelopes import GenerationChunk, RequestEnvelope, SamplingOptions, Usage
 from shared.errors import FleetError, error_from_info
+from shared.logs import REQUEST_ID
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -194,6 +195,7 @@ def new_envelope(raw: dict[str, Any], kind: str, model: str, settings: GatewaySe
         deadline=now + timeout, queue_deadline=now + min(settings.queue_timeout_s, timeout),
         stream=body is not None and body.stream, body=raw, params=params or SamplingOptions(),
         cancel_id=body.cancel_id if body is not None else None, batch_replies=True,
+        client_request_id=REQUEST_ID.get(),
     )
 
 
@@ -330,18 +332,23 @@ async def _sse_body(run: Run, envelope: RequestEnvelope, writer: EventWriter, fi
 
 def record_first_token(chunk: GenerationChunk, envelope: RequestEnvelope) -> None:
     if chunk.first_token:
-        metrics.TIME_TO_FIRST_TOKEN.labels(envelope.model).observe(max(0.0, time.time() - envelope.arrival))
+        ttft = max(0.0, time.time() - envelope.arrival)
+        metrics.TIME_TO_FIRST_TOKEN.labels(envelope.model).observe(ttft)
+        accounting.note(ttft_s=ttft)
 
 
 def _count_tokens(chunk: GenerationChunk, envelope: RequestEnvelope) -> None:
     if chunk.done and chunk.usage is not None:
         metrics.RELAYED_TOKENS.labels(envelope.model).inc(chunk.usage.completion_tokens)
+        accounting.note(prompt_tokens=chunk.usage.prompt_tokens, completion_tokens=chunk.usage.completion_tokens)
 
 
 def finish_run(run: Run, envelope: RequestEnvelope, formatter: Formatter, started: float,
                error: BaseException | None) -> None:
     """Close the run (cancelling it if it has not ended) and count the request: once per request."""
     reason = "deadline" if isinstance(error, FleetError) and error.code == "request_timeout" else "disconnect"
+    accounting.note(worker=run.worker_id or None, engine_request_id=envelope.request_id,
+                    cancel=None if run.finished else reason)
     run.close(reason)
     metrics.OPEN_STREAMS.dec()
     status = error.status if isinstance(error, FleetError) else (499 if error is not None else 200)

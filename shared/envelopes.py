@@ -110,6 +110,7 @@ class RequestEnvelope:
     v: int = WIRE_VERSION
     queue_deadline: float = 0.0  # wall-clock seconds; a worker drops the request unstarted after it
     batch_replies: bool = False  # the gateway reads reply entries of several envelopes (keys.BATCH_FIELD)
+    client_request_id: str = ""  # the HTTP request's X-Request-Id, on every log line about it (shared.logs)
 
     def to_wire(self) -> dict[str, Any]:
         out = _compact(self)

@@ -26,7 +26,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
@@ -35,6 +35,7 @@ from shared import keys
 from shared.codec import decode, encode
 from shared.envelopes import CancelNotice, Candidate, GenerationChunk, RequestEnvelope, Usage, WorkerInfo
 from shared.errors import EngineError, EnvelopeError, FleetError, ServiceUnavailable, WorkerLost
+from shared.logs import REQUEST_ID
 from shared.redis_batch import BatchedRedis
 from shared.stopping import pause, stop_tasks, within
 from worker import metrics
@@ -247,6 +248,7 @@ class RequestConsumer:
         task.add_done_callback(self._background.discard)
 
     async def run_request(self, entry_id: str, request: RequestEnvelope, reclaimed: bool = False) -> None:
+        REQUEST_ID.set(request.client_request_id or request.request_id)  # this task's log lines (shared.logs)
         metrics.IN_FLIGHT.labels(self.model).set(self.in_flight)
         try:
             asked = time.monotonic()
@@ -275,6 +277,10 @@ class RequestConsumer:
         if self._cancel_requested.get(request.request_id) == "deadline":
             _mark_deadline(terminal)
         metrics.REQUESTS.labels(self.model, terminal.finish_reason or "unknown").inc()
+        log.debug("request %s finished", request.request_id, extra={"fields": {
+            "finish_reason": terminal.finish_reason, "error": terminal.error.code if terminal.error else None,
+            "completion_tokens": terminal.usage.completion_tokens if terminal.usage else None,
+            "reclaimed": reclaimed or None}})
         if terminal.usage is not None:
             metrics.GENERATED_TOKENS.labels(self.model).inc(terminal.usage.completion_tokens)
         self.completed += 1
@@ -345,6 +351,10 @@ class RequestConsumer:
                 state.tokens += chunk.token_count
                 if chunk.first_token:
                     state.phase = "decode"
+                    state.first_token_at = time.monotonic()
+                    metrics.PREFILL_TIME.labels(self.model).observe(state.first_token_at - state.started)
+                if chunk.done and state.first_token_at:
+                    metrics.DECODE_TIME.labels(self.model).observe(time.monotonic() - state.first_token_at)
                 if request_id in self._cancel_requested and not state.reaborted:
                     # The abort may have reached the adapter before the engine knew the request.
                     state.reaborted = True
@@ -503,6 +513,8 @@ class RequestConsumer:
 class _Progress:
     phase: str = "prefill"
     tokens: int = 0
+    started: float = field(default_factory=time.monotonic)
+    first_token_at: float = 0.0
     tokens_at_cancel: int | None = None
     cancel_sent_at: float = 0.0
     reaborted: bool = False

@@ -23,3 +23,8 @@ CANCEL_LATENCY = Histogram("llmfleet_worker_cancel_seconds",
                            "From the gateway's cancel to the engine's last output", ["model"],
                            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2))
 RECLAIMED = Counter("llmfleet_worker_reclaimed_total", "Requests taken over from a worker that died", ["model"])
+PREFILL_TIME = Histogram("llmfleet_worker_time_to_first_token_seconds", "From the engine taking the request to its "
+                         "first generated token (prefill, and any wait inside the engine)", ["model"],
+                         buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+DECODE_TIME = Histogram("llmfleet_worker_decode_seconds", "From the first generated token to the last (decode)",
+                        ["model"], buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))

@@ -1,0 +1,86 @@
+"""One id from client to engine (issue #13): `X-Request-Id` accepted or made, echoed, carried to
+the worker, on every log line about the request in both processes, and one access line per
+request; `--log-format json` writes one JSON object per line."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import httpx
+import pytest
+
+from shared import logs
+from tests.procs import start_gateway, start_worker, wait_for, wait_until_served
+
+MODEL = "traced-model"
+JSON_LOGS = {"LLMFLEET_LOG_FORMAT": "json", "LLMFLEET_LOG_LEVEL": "debug"}
+
+
+def _json_lines(text: str) -> list[dict]:
+    lines = []
+    for line in text.splitlines():
+        if line.startswith("{"):
+            lines.append(json.loads(line))
+    return lines
+
+
+@pytest.fixture(scope="module")
+def fleet(redis_url: str):
+    worker = start_worker(redis_url, MODEL, env=JSON_LOGS)
+    gateway = start_gateway(redis_url, env=JSON_LOGS)
+    wait_until_served(gateway, MODEL)
+    yield gateway, worker
+    for proc in (gateway, worker):
+        proc.stop()
+
+
+@pytest.mark.integration
+def test_a_client_request_id_is_echoed_and_on_every_log_line_of_both_sides(fleet) -> None:
+    gateway, worker = fleet
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 3}
+    answer = httpx.post(f"{gateway.url}/v1/chat/completions", json=body, headers={"X-Request-Id": "client-id-42"},
+                        timeout=30)
+    assert answer.status_code == 200 and answer.headers["x-request-id"] == "client-id-42"
+    engine_id = answer.json()["id"].removeprefix("chatcmpl-")
+
+    access = wait_for(lambda: [e for e in _json_lines(gateway.log()) if e["logger"] == "gateway.access"
+                               and e.get("request_id") == "client-id-42"], 10, "the gateway's access line")
+    assert len(access) == 1
+    line = access[0]
+    assert (line["level"], line["message"], line["family"], line["model"], line["status"]) == (
+        "info", "POST /v1/chat/completions 200", "openai", MODEL, 200)
+    assert line["completion_tokens"] == 3 and line["request"] == engine_id and line["worker"]
+    assert 0 < line["ttft_s"] <= line["total_s"]
+
+    finished = wait_for(lambda: [e for e in _json_lines(worker.log()) if engine_id in e["message"]], 10,
+                        "the worker's line about the request")
+    assert [(e["request_id"], e["finish_reason"], e["completion_tokens"]) for e in finished] == [
+        ("client-id-42", "length", 3)]
+
+
+@pytest.mark.integration
+def test_without_a_sane_id_the_gateway_makes_one(fleet) -> None:
+    gateway, _ = fleet
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    made = httpx.post(f"{gateway.url}/v1/chat/completions", json=body, timeout=30).headers["x-request-id"]
+    hostile = httpx.post(f"{gateway.url}/v1/chat/completions", json=body, timeout=30,
+                         headers={"X-Request-Id": "x" * 129}).headers["x-request-id"]
+    refused = httpx.post(f"{gateway.url}/v1/chat/completions", json={"model": "nope"}, timeout=30,
+                         headers={"X-Request-Id": "bad id\twith spaces"})
+    assert refused.status_code in (400, 404)
+    ids = [made, hostile, refused.headers["x-request-id"]]
+    assert all(len(i) == 32 and i.isalnum() for i in ids) and len(set(ids)) == 3
+
+
+def test_text_lines_carry_the_request_id_and_fields(capsys) -> None:
+    logs.setup("info", "text")
+    token = logs.REQUEST_ID.set("abc")
+    try:
+        logging.getLogger("gateway.access").info("POST /x 200", extra={"fields": {"model": "m", "total_s": 0.5,
+                                                                                  "worker": None, "note": "a b"}})
+    finally:
+        logs.REQUEST_ID.reset(token)
+        logging.getLogger().handlers.clear()
+    line = capsys.readouterr().err.strip()
+    assert line.endswith('INFO gateway.access: [abc] POST /x 200 model=m total_s=0.5000 note="a b"'), line
