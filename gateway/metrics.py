@@ -30,3 +30,6 @@ LIVE_WORKERS = Gauge("llmfleet_gateway_live_workers", "Workers with a live heart
 RELAY_DELAY = Histogram("llmfleet_gateway_relay_seconds", "From a worker's reply reaching Redis (its stream entry's "
                         "id) to this gateway reading it", buckets=(0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1,
                                                                     0.25, 0.5, 1, 2.5))
+INTER_TOKEN_LATENCY = Histogram("llmfleet_gateway_inter_token_seconds", "Gaps between a stream's token events as "
+                                "this gateway relays them (what a client sees)", ["model"],
+                                buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5))

@@ -273,12 +273,19 @@ async def stream_frames(run: Run, envelope: RequestEnvelope, writer: EventWriter
     """The frames of a started stream, a list per chunk, ending with the family's end (or its
     error events, on an error after the first byte). The run is released at its terminal chunk;
     closing this early leaves the run to the caller, who closes it (which cancels it)."""
+    inter_token = metrics.INTER_TOKEN_LATENCY.labels(envelope.model)
+    last_token_at = 0.0
     try:
         chunk = first
         while True:
             if chunk.done:
                 await run.release()
                 writer.terminal = chunk
+            elif chunk.token_count:  # the gaps between token events, as the client reads them
+                now = time.monotonic()
+                if last_token_at:
+                    inter_token.observe(now - last_token_at)
+                last_token_at = now
             yield writer.chunk_frames(chunk)
             _count_tokens(chunk, envelope)
             if chunk.done:

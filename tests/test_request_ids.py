@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from shared import logs
-from tests.procs import start_gateway, start_worker, wait_for, wait_until_served
+from tests.procs import metric_value, start_gateway, start_worker, wait_for, wait_until_served
 
 MODEL = "traced-model"
 JSON_LOGS = {"LLMFLEET_LOG_FORMAT": "json", "LLMFLEET_LOG_LEVEL": "debug"}
@@ -84,3 +84,24 @@ def test_text_lines_carry_the_request_id_and_fields(capsys) -> None:
         logging.getLogger().handlers.clear()
     line = capsys.readouterr().err.strip()
     assert line.endswith('INFO gateway.access: [abc] POST /x 200 model=m total_s=0.5000 note="a b"'), line
+
+
+@pytest.mark.integration
+def test_a_stream_is_timed_at_every_stage(fleet) -> None:
+    """Inter-token latency and relay delay at the gateway, prefill and decode at the worker."""
+    gateway, worker = fleet
+    series = {"itl": (gateway.url, "llmfleet_gateway_inter_token_seconds_count", {"model": MODEL}),
+              "relay": (gateway.url, "llmfleet_gateway_relay_seconds_count", {}),
+              "prefill": (worker.url, "llmfleet_worker_time_to_first_token_seconds_count", {"model": MODEL}),
+              "decode": (worker.url, "llmfleet_worker_decode_seconds_count", {"model": MODEL})}
+    before = {key: metric_value(url, name, **labels) for key, (url, name, labels) in series.items()}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "one two three"}], "max_tokens": 5,
+            "stream": True}
+    with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", json=body, timeout=30) as answer:
+        events = [line for line in answer.iter_lines() if line.startswith("data: {")]
+    tokens = sum(1 for e in events if '"content":"' in e and '"content":""' not in e)
+    assert tokens >= 2
+    after = {key: metric_value(url, name, **labels) for key, (url, name, labels) in series.items()}
+    grown = {key: after[key] - before[key] for key in series}
+    # A gap between each pair of token events; at least one reply entry; one prefill and one decode.
+    assert grown["itl"] == tokens - 1 and grown["relay"] >= 1 and (grown["prefill"], grown["decode"]) == (1, 1), grown
