@@ -35,7 +35,9 @@ class CandidateBuilder:
             call.id = call.id or delta.id
             call.name = call.name or delta.name
             call.arguments += delta.arguments
-        if chunk.finish_reason is not None:
+        # A delta's finish carries its stop_reason; the terminal chunk's (stop_reason None) is
+        # only the default for choices without one (`build`).
+        if chunk.finish_reason is not None and not chunk.done:
             self.finish_reason = chunk.finish_reason
             self.stop_reason = chunk.stop_reason
 
