@@ -1,0 +1,204 @@
+"""The OpenAI Responses API through the official SDK, across two gateways over one Redis.
+
+A response stored through one gateway is continued, retrieved, deleted (and, in background mode,
+cancelled and resumed) through the other: the state lives in Redis, not in a process. The
+scripted engine repeats the last user message's words, one per token, and finishes with "length"
+unless a stop string ends it; tool calls and reasoning need the tiny vLLM model (`vllm` tests).
+"""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import SCRIPTED_MODEL
+from tests.procs import start_gateway, start_redis, start_worker, wait_for, wait_until_served
+
+pytestmark = pytest.mark.integration
+
+
+def clients(scripted_fleet) -> tuple[openai.OpenAI, openai.OpenAI]:
+    gateways, _ = scripted_fleet
+    return tuple(openai.OpenAI(base_url=f"{g.url}/v1", api_key="x", max_retries=0, timeout=60) for g in gateways)
+
+
+def words_of(*texts: str) -> int:
+    return sum(len(t.split()) for t in texts)
+
+
+def test_store_on_one_gateway_continue_retrieve_delete_on_the_other(scripted_fleet):
+    one, other = clients(scripted_fleet)
+    first = one.responses.create(model=SCRIPTED_MODEL, input="red green blue", instructions="be brief",
+                                 max_output_tokens=4)
+    assert first.id.startswith("resp_")
+    assert first.status == "incomplete" and first.incomplete_details.reason == "max_output_tokens"
+    assert first.output_text == "red green blue red"
+    assert first.usage.input_tokens == words_of("be brief", "red green blue")
+    assert first.usage.output_tokens == 4
+
+    again = other.responses.retrieve(first.id)
+    assert again.output_text == first.output_text and again.status == "incomplete"
+    assert [item.id for item in again.output] == [item.id for item in first.output]
+
+    # The other replica rebuilds the conversation: the stored input and output, then the new input;
+    # the instructions do not carry over.
+    follow = other.responses.create(model=SCRIPTED_MODEL, input=[{"role": "user", "content": "yellow"}],
+                                    previous_response_id=first.id, max_output_tokens=2)
+    assert follow.output_text == "yellow yellow"
+    assert follow.previous_response_id == first.id
+    assert follow.usage.input_tokens == words_of("red green blue", "red green blue red", "yellow")
+    third = one.responses.create(model=SCRIPTED_MODEL, input="cyan", previous_response_id=follow.id,
+                                 max_output_tokens=1)
+    assert third.usage.input_tokens == words_of("red green blue", "red green blue red", "yellow", "yellow yellow",
+                                                "cyan")
+
+    other.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        one.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError):
+        one.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError) as missing:
+        one.responses.create(model=SCRIPTED_MODEL, input="x", previous_response_id=first.id)
+    assert missing.value.body == {"message": f"Response with id '{first.id}' not found.",
+                                  "type": "invalid_request_error", "param": "response_id", "code": 404}
+    assert other.responses.retrieve(follow.id).output_text == "yellow yellow"  # the rest stays
+
+
+def test_stream_events_and_their_ids_then_the_same_response_retrieved_elsewhere(scripted_fleet):
+    one, other = clients(scripted_fleet)
+    body = {"model": SCRIPTED_MODEL, "input": "alpha beta gamma stop", "extra_body": {"stop": ["stop"]}}
+    whole = one.responses.create(**body)
+    assert whole.status == "completed" and whole.output_text == "alpha beta gamma "
+
+    with one.responses.stream(**body) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    types = [event.type for event in events]
+    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert set(types[4:-4]) == {"response.output_text.delta"}
+    assert types[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"]
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    assert final.output_text == whole.output_text and final.status == "completed"
+    assert final.usage.output_tokens == whole.usage.output_tokens
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    stored = other.responses.retrieve(final.id)
+    assert stored.output_text == final.output_text
+    assert stored.output[0].id == final.output[0].id  # the stored object is the one streamed
+
+    # On the wire: each event named, with an id line equal to its sequence number.
+    gateway = scripted_fleet[0][0]
+    raw = httpx.post(f"{gateway.url}/v1/responses", timeout=60, json={
+        "model": SCRIPTED_MODEL, "input": "alpha beta gamma stop", "stop": ["stop"], "stream": True})
+    frames = [f for f in raw.text.split("\n\n") if f.strip()]
+    for number, frame in enumerate(frames):
+        lines = dict(line.split(": ", 1) for line in frame.splitlines())
+        assert lines["id"] == str(number)
+        assert f'"sequence_number":{number}' in lines["data"]
+        assert f'"type":"{lines["event"]}"' in lines["data"]
+    assert "[DONE]" not in raw.text
+
+
+def test_a_stream_cut_by_max_output_tokens_ends_incomplete(scripted_fleet):
+    one, _ = clients(scripted_fleet)
+    events = list(one.responses.create(model=SCRIPTED_MODEL, input="one two", max_output_tokens=3, stream=True))
+    assert events[-1].type == "response.incomplete"
+    assert events[-1].response.status == "incomplete"
+    assert events[-1].response.incomplete_details.reason == "max_output_tokens"
+    assert events[-1].response.output[0].content[0].text == "one two one"
+
+
+def test_store_false_keeps_nothing(scripted_fleet):
+    one, other = clients(scripted_fleet)
+    response = one.responses.create(model=SCRIPTED_MODEL, input="quiet", store=False, max_output_tokens=1)
+    assert response.output_text == "quiet"
+    with pytest.raises(openai.NotFoundError):
+        other.responses.retrieve(response.id)
+
+
+@pytest.mark.parametrize(("body", "status", "param"), [
+    ({"input": "x", "background": True, "store": False}, 400, "background"),
+    ({"input": "x", "tool_choice": "required"}, 400, "tool_choice"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},
+     400, "tool_choice"),
+    ({"input": [{"type": "computer_call", "id": "c"}]}, 400, "input"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, 400, "input"),
+    ({"input": "x", "max_output_tokens": 0}, 400, "max_tokens"),  # vLLM's sampling check names it so
+    ({"input": "x", "temperature": 3}, 400, "temperature"),
+    ({"input": "x", "previous_response_id": "resp_unknown"}, 404, "response_id"),
+    ({}, 400, "body.input"),
+])
+def test_bad_requests_get_openai_errors(scripted_fleet, body, status, param):
+    gateway = scripted_fleet[0][0]
+    answer = httpx.post(f"{gateway.url}/v1/responses", json={"model": SCRIPTED_MODEL, **body}, timeout=30)
+    assert answer.status_code == status, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == param and error["message"], error
+
+
+def test_unknown_ids_are_404_and_a_finished_response_cannot_be_cancelled(scripted_fleet):
+    one, other = clients(scripted_fleet)
+    for call in (one.responses.retrieve, one.responses.delete, one.responses.cancel):
+        with pytest.raises(openai.NotFoundError):
+            call("resp_0123456789abcdef")
+    done = one.responses.create(model=SCRIPTED_MODEL, input="done", max_output_tokens=1)
+    with pytest.raises(openai.BadRequestError) as refused:
+        other.responses.cancel(done.id)
+    assert refused.value.body["message"] == "Cannot cancel a synchronous response."
+
+
+def test_function_call_items_become_the_chat_history(scripted_fleet):
+    """A tool round trip as input: the scripted engine counts every message's words, so the
+    function call's output and the assistant's text reach the prompt; the last user turn leads."""
+    one, _ = clients(scripted_fleet)
+    response = one.responses.create(model=SCRIPTED_MODEL, max_output_tokens=2, input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "weather in paris"}]},
+        {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "look it up"}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny and warm"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "it is sunny"}]},
+        {"role": "user", "content": "thanks"},
+    ])
+    assert response.output_text == "thanks thanks"
+    assert response.usage.input_tokens == words_of("weather in paris", "sunny and warm", "it is sunny", "thanks")
+
+
+@pytest.fixture(scope="module")
+def bounded_store():
+    """A fleet of its own (the store's index is Redis-wide): at most 20 stored responses, 120 s each."""
+    redis = start_redis()
+    worker = start_worker(redis.url, SCRIPTED_MODEL)
+    gateway = start_gateway(redis.url, "--response-store-max-entries", "20", "--response-store-ttl", "120",
+                            "--response-store-max-bytes", "4000")
+    wait_until_served(gateway, SCRIPTED_MODEL)
+    yield redis, gateway
+    for proc in (gateway, worker, redis):
+        proc.stop()
+
+
+def test_a_flood_of_stored_responses_stays_bounded(bounded_store):
+    from shared import redis_pool
+
+    redis, gateway = bounded_store
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0, timeout=60)
+    ids = [client.responses.create(model=SCRIPTED_MODEL, input=f"flood {i}", max_output_tokens=2).id
+           for i in range(60)]
+    store = redis_pool.connect_sync(redis.url)
+    stored = [k.decode() for k in store.scan_iter(match="llmfleet:response*")]
+    hashes = [k for k in stored if k.startswith("llmfleet:response:")]
+    assert len(hashes) == 20, len(hashes)
+    assert store.zcard("llmfleet:responses:{stored}") == 20
+    for key in stored:
+        assert 0 < store.ttl(key) <= 120, key
+    for old in ids[:40]:  # the oldest went first
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(old)
+    assert client.responses.retrieve(ids[-1]).output_text == "flood 59"
+    # A response larger than the byte bound is answered, not stored.
+    big = client.responses.create(model=SCRIPTED_MODEL, input="word " * 1000, max_output_tokens=1)
+    assert big.output_text == "word"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(big.id)
+    wait_for(lambda: store.zcard("llmfleet:responses:{stored}") == 20, 5, "the index to stay at its bound")
