@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from gateway import fleet_routes, tokenizer_routes
+from gateway.anthropic import messages as anthropic_messages
 from gateway.openai import chat as openai_chat
 from gateway.openai import completions as openai_completions
 from gateway.openai import responses as openai_responses
@@ -39,6 +40,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     install_error_handlers(app)
     app.include_router(openai_chat.router)
     app.include_router(openai_completions.router)
+    app.include_router(anthropic_messages.router)
     app.include_router(openai_responses.router)
     app.include_router(fleet_routes.router)
     app.include_router(tokenizer_routes.router)

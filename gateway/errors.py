@@ -17,6 +17,7 @@ from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
+from gateway.anthropic import errors as anthropic_errors
 from gateway.protocol import FieldRuleError
 from shared.errors import FleetError, Overloaded
 
@@ -87,8 +88,19 @@ async def _on_redis_error(_request: Request, exc: Exception) -> Response:
     return json_response(error_body(f"The request queue is unreachable; try again shortly. ({exc})", 503), 503)
 
 
+def _in_family_shape(handler):
+    """The handler, answering on the Anthropic routes in Anthropic's error shape."""
+    async def handle(request: Request, exc: Exception) -> Response:
+        if not anthropic_errors.owns(request.url.path):
+            return await handler(request, exc)
+        if isinstance(exc, FleetError):
+            return anthropic_errors.error_response(exc)
+        return anthropic_errors.reshape(await handler(request, exc))
+    return handle
+
+
 def install_error_handlers(app: FastAPI) -> None:
-    app.add_exception_handler(RedisError, _on_redis_error)
-    app.add_exception_handler(RequestValidationError, _on_validation_error)
-    app.add_exception_handler(FleetError, _on_fleet_error)
-    app.add_exception_handler(HTTPException, _on_http_error)
+    app.add_exception_handler(RedisError, _in_family_shape(_on_redis_error))
+    app.add_exception_handler(RequestValidationError, _in_family_shape(_on_validation_error))
+    app.add_exception_handler(FleetError, _in_family_shape(_on_fleet_error))
+    app.add_exception_handler(HTTPException, _in_family_shape(_on_http_error))
