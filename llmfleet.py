@@ -81,13 +81,18 @@ def redis_options(command):
         "reading; past it the request is cancelled.")
 @option("models", default="", help="Comma-separated models served by workers that may be scaled to zero: "
         "with no live worker, their requests queue (up to --queue-timeout) instead of getting a 404.")
+@option("resume-grace", default=30.0, type=float, help="Seconds a resumable stream runs on with no client "
+        "reading it, before it is cancelled.")
+@option("event-log-keep", default=600.0, type=float, help="Seconds a resumable stream's events stay "
+        "replayable after it ended.")
 @option("response-store-ttl", default=24 * 3600.0, type=float, help="Seconds a stored Response is kept.")
 @option("response-store-max-entries", default=10_000, type=int, help="Stored Responses kept at most; the "
         "oldest go first.")
 @option("response-store-max-bytes", default=1024 * 1024, type=int, help="A larger Response is not stored.")
 def gateway(host: str, port: int, redis_url: str, request_timeout: float, queue_timeout: float,
             drain_grace: float, max_body_bytes: int, max_queue: int, max_open_requests: int,
-            max_buffered_chunks: int, models: str, response_store_ttl: float, response_store_max_entries: int,
+            max_buffered_chunks: int, models: str, resume_grace: float, event_log_keep: float,
+            response_store_ttl: float, response_store_max_entries: int,
             response_store_max_bytes: int) -> None:
     """Run a gateway (HTTP API) process."""
     from gateway.fleet import GatewaySettings
@@ -97,6 +102,7 @@ def gateway(host: str, port: int, redis_url: str, request_timeout: float, queue_
                                drain_grace_s=drain_grace, max_body_bytes=max_body_bytes, max_queue=max_queue,
                                max_open_requests=max_open_requests, max_buffered_chunks=max_buffered_chunks,
                                models=tuple(name.strip() for name in models.split(",") if name.strip()),
+                               resume_grace_s=resume_grace, event_log_keep_s=event_log_keep,
                                response_store_ttl_s=response_store_ttl,
                                response_store_max_entries=response_store_max_entries,
                                response_store_max_bytes=response_store_max_bytes)

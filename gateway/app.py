@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from gateway import fleet_routes, tokenizer_routes
+from gateway import fleet_routes, streams, tokenizer_routes
 from gateway.anthropic import messages as anthropic_messages
 from gateway.openai import chat as openai_chat
 from gateway.openai import completions as openai_completions
@@ -42,6 +42,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.include_router(openai_completions.router)
     app.include_router(anthropic_messages.router)
     app.include_router(openai_responses.router)
+    app.include_router(streams.router)
     app.include_router(fleet_routes.router)
     app.include_router(tokenizer_routes.router)
 

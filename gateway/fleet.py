@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from redis.exceptions import RedisError
 
@@ -27,6 +28,9 @@ from shared.envelopes import Candidate, ChunkEnvelope, GenerationChunk, RequestE
 from shared.errors import Overloaded, ServiceUnavailable, WorkerLost, error_from_info
 from shared.redis_batch import BatchedRedis
 from shared.stopping import stop_tasks, within
+
+if TYPE_CHECKING:
+    from gateway.streams import DetachedRun
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +64,10 @@ class GatewaySettings:
     max_buffered_chunks: int = 1024  # reply envelopes held for a client that stopped reading
     gateway_id: str = ""
     models: tuple[str, ...] = ()  # known before any worker serves them: their requests queue, not 404
+    # Resumable streams (gateway/streams.py): a run no client reads is cancelled after this grace;
+    # a response's events stay readable this long after it ended.
+    resume_grace_s: float = 30.0
+    event_log_keep_s: float = 600.0
     # Stored Responses (gateway/openai/response_store.py): kept this long, at most this many, each at
     # most this large; past the count the oldest go first.
     response_store_ttl_s: float = 24 * 3600.0
@@ -187,6 +195,7 @@ class Fleet:
         self.draining = False
         self._loops: list[asyncio.Task] = []
         self._tasks: set[asyncio.Task] = set()  # one-off jobs: the unregistering of runs, cancels
+        self.detached: dict[str, DetachedRun] = {}  # runs no client holds, by response id (gateway/streams.py)
 
     async def start(self) -> None:
         self._loops = [asyncio.create_task(job, name=job.__qualname__) for job in (
@@ -196,6 +205,9 @@ class Fleet:
     async def stop(self) -> None:
         """Let the last runs' cancels and unregistering finish, stop the loops, close the pool: each
         step bounded, so a slow or vanished Redis delays a shutdown by seconds, never for ever."""
+        # Detached runs first: ending one closes its run, which adds to the unregistering.
+        await stop_tasks([run.task for run in self.detached.values()], grace_s=STOP_GRACE_S, cancel_s=STOP_CANCEL_S,
+                         what="detached runs")
         await stop_tasks(self._tasks, grace_s=STOP_GRACE_S, cancel_s=STOP_CANCEL_S, what="unregistering runs")
         # Nothing the loops would still do matters now: cancel them at once. Their stop events end them
         # at their next turn should a cancel be lost (shared.stopping).

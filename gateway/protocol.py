@@ -115,6 +115,7 @@ class GenerationRequest(OpenAIModel):
     user: str | None = None
     cancel_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     timeout: Annotated[float, Field(gt=0)] | None = None  # seconds; capped by the gateway's limit
+    resumable: bool = False  # an extension: the stream survives its client (gateway/streams.py)
 
     @field_validator("stop")
     @classmethod
@@ -137,6 +138,8 @@ class GenerationRequest(OpenAIModel):
     def _stream_options_need_stream(self):
         if self.stream_options is not None and not self.stream:
             raise FieldRuleError("Stream options can only be defined when `stream=True`.", param="stream_options")
+        if self.resumable and not self.stream:
+            raise FieldRuleError("`resumable` needs `stream=True`: only a stream can be resumed.", param="resumable")
         if self.response_format is not None and self.response_format.type == "json_schema" \
                 and self.response_format.json_schema is None:
             raise FieldRuleError("When response_format type is 'json_schema', the 'json_schema' field "

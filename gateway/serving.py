@@ -82,13 +82,13 @@ class Formatter:
         self.response_id = f"{self.id_prefix}-{envelope.request_id}"
         self.created = int(envelope.arrival)
         self.model = envelope.model
-        self.n = request.n
+        self.n = request.choice_count  # n, or n per prompt of a completion with several
         options = request.stream_options
         self.include_usage = bool(options and options.include_usage)
         self.continuous_usage = self.include_usage and bool(options.continuous_usage_stats)
         self._prompt_tokens = 0
-        self._tokens = [0] * request.n  # completion tokens per choice so far
-        self._finished = [False] * request.n
+        self._tokens = [0] * self.n  # completion tokens per choice so far
+        self._finished = [False] * self.n
         self._fingerprint: str | None = None
 
     def _chunk(self, choices: list[dict[str, Any]], usage: dict | None = None) -> dict[str, Any]:
@@ -200,8 +200,16 @@ def new_envelope(raw: dict[str, Any], kind: str, model: str, settings: GatewaySe
 
 
 async def serve_generation(request: Request, fleet: Fleet, envelope: RequestEnvelope,
-                           formatter: Formatter) -> Response:
-    """Answer one generation request: SSE if it streams, else the whole response at once."""
+                           formatter: Formatter, *, resumable: bool = False) -> Response:
+    """Answer one generation request: SSE if it streams, else the whole response at once.
+
+    `resumable` (a streaming request's `"resumable": true`): the generation runs detached from
+    the client and survives its disconnect (`gateway.streams`)."""
+    if resumable:
+        # Imported here: gateway.streams builds on this module (EventWriter, stream_frames).
+        from gateway.streams import serve_resumable
+
+        return await serve_resumable(request, fleet, envelope, formatter)
     started = time.monotonic()
     run = await fleet.submit(envelope)
     metrics.OPEN_STREAMS.inc()

@@ -3,6 +3,7 @@
     FleetError                      base; carries code, message, param and HTTP status
     ├── InvalidRequest              400  the request can never succeed as sent
     ├── ModelNotFound               404  no worker has served this model recently
+    ├── NotFound                    404  a kept thing (a stream's events) is unknown or gone
     ├── Overloaded                  429  queue or in-flight limit reached; retry later
     ├── ServiceUnavailable          503  no live worker, Redis down, queue timeout, draining
     ├── WorkerLost                  502  the worker running the request vanished
@@ -59,6 +60,11 @@ class InvalidRequest(FleetError):
 class ModelNotFound(FleetError):
     status = 404
     code = "model_not_found"
+
+
+class NotFound(FleetError):
+    status = 404
+    code = "not_found"
 
 
 class Overloaded(FleetError):

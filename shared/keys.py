@@ -33,6 +33,11 @@ part of the name. `<...>` is a placeholder.
 |                                      |         | the run with that cancel_id registers    |
 | llmfleet:cancel                      | pub/sub | no storage; in a cluster a PUBLISH       |
 |                                      |         | reaches the subscribers of every node    |
+| llmfleet:events:{<response_id>}      | stream  | MAXLEN ~EVENT_LOG_MAXLEN; TTL: the run's |
+|                                      |         | deadline, then the gateway's keep time   |
+|                                      |         | once it ended (gateway/streams.py)       |
+| llmfleet:reader:{<response_id>}      | string  | TTL STREAM_READER_TTL_S, refreshed while |
+|                                      |         | a client follows the events elsewhere    |
 | llmfleet:response:{<response_id>}    | hash    | TTL: the gateway's response store TTL;   |
 |                                      |         | a stored Response (gateway/openai/       |
 |                                      |         | response_store.py), at most its max bytes|
@@ -69,6 +74,10 @@ CANCEL_MEMORY_TTL_S = 600  # how long a cancel waits for its run to show up
 DEAD_LETTER_MAXLEN = 10_000
 DEAD_LETTER_KEEP_BYTES = 64 * 1024  # of a poison envelope, kept for inspection
 CANCEL_CHANNEL = f"{PREFIX}:cancel"
+# A response's events kept for a client that reconnects (gateway/streams.py): past this many,
+# the oldest go, and a resume from before them gets a 404.
+EVENT_LOG_MAXLEN = 20_000
+STREAM_READER_TTL_S = 3  # a follower on another replica refreshes it every second
 ENVELOPE_FIELD = b"e"  # a stream entry's one envelope
 # A reply entry that carries the envelopes of several requests (`codec.encode_batch`): one XADD
 # per gateway per publish, not one per request. Only for gateways that asked for it
@@ -140,3 +149,11 @@ def response_key(response_id: str) -> str:
 
 
 RESPONSE_INDEX = f"{PREFIX}:responses:{{stored}}"  # the stored responses by time, for the store's bound
+
+
+def event_log_key(response_id: str) -> str:
+    return f"{PREFIX}:events:{_tag(response_id)}"
+
+
+def stream_reader_key(response_id: str) -> str:
+    return f"{PREFIX}:reader:{_tag(response_id)}"

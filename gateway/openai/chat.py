@@ -116,4 +116,5 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     fleet = request.app.state.fleet
     view = await fleet.registry.resolve(body.model)
     envelope = chat_envelope(body, await request_json(request), view.name, view.max_model_len, fleet.settings)
-    return await serve_generation(request, fleet, envelope, ChatFormatter(body, envelope))
+    return await serve_generation(request, fleet, envelope, ChatFormatter(body, envelope),
+                                  resumable=body.resumable)

@@ -53,4 +53,5 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     view = await fleet.registry.resolve(body.model)
     envelope = completion_envelope(body, await request_json(request), view.name, view.max_model_len,
                                    fleet.settings)
-    return await serve_generation(request, fleet, envelope, CompletionFormatter(body, envelope))
+    return await serve_generation(request, fleet, envelope, CompletionFormatter(body, envelope),
+                                  resumable=body.resumable)
