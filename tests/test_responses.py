@@ -202,3 +202,72 @@ def test_a_flood_of_stored_responses_stays_bounded(bounded_store):
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(big.id)
     wait_for(lambda: store.zcard("llmfleet:responses:{stored}") == 20, 5, "the index to stay at its bound")
+
+
+# --- background mode: runs on without its client; cancel and resume from the other replica ------
+
+def wait_for_status(client: openai.OpenAI, response_id: str, timeout: float = 60):
+    return wait_for(lambda: (r := client.responses.retrieve(response_id)).status not in ("queued", "in_progress")
+                    and r, timeout, f"{response_id} to end")
+
+
+def test_background_answers_at_once_runs_on_and_is_read_from_the_other_replica(scripted_fleet):
+    one, other = clients(scripted_fleet)
+    queued = one.responses.create(model=SCRIPTED_MODEL, input="slow words then stop", background=True,
+                                  extra_body={"stop": ["stop"]})
+    assert queued.status == "queued" and queued.background is True and queued.output == []
+    done = wait_for_status(other, queued.id)
+    assert done.status == "completed" and done.output_text == "slow words then "
+    # Its events are kept: the whole stream replays on either replica, ids and sequence numbers equal.
+    events = list(other.responses.retrieve(queued.id, stream=True))
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[-1].response.output_text == done.output_text
+
+
+def test_a_background_stream_resumed_on_the_other_replica_equals_the_whole_stream(scripted_fleet):
+    gateways, _ = scripted_fleet
+    body = {"model": SCRIPTED_MODEL, "input": "a resumable stream of words", "max_output_tokens": 400,
+            "background": True, "stream": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{gateways[0].url}/v1/responses", json=body) as first:
+            assert first.status_code == 200
+            head = ""
+            for text in first.iter_text():
+                head += text
+                if head.count("\n\n") >= 8:
+                    break  # the client goes away mid-stream; the response runs on
+        frames = [f for f in head.split("\n\n") if f.strip()][:8]
+        last_id = int(dict(line.split(": ", 1) for line in frames[-1].splitlines())["id"])
+        response_id = next(line for line in frames[0].splitlines() if line.startswith("data: "))
+        response_id = response_id.split('"id":"', 1)[1].split('"', 1)[0]
+        rest = http.get(f"{gateways[1].url}/v1/responses/{response_id}",
+                        params={"stream": "true", "starting_after": last_id}).text
+        whole = http.get(f"{gateways[1].url}/v1/responses/{response_id}", params={"stream": "true"}).text
+    assert "\n\n".join(frames) + "\n\n" + rest == whole
+    assert "event: response.incomplete" in whole.rsplit("\n\n", 2)[-2]  # max_output_tokens reached
+    stored = openai.OpenAI(base_url=f"{gateways[0].url}/v1", api_key="x").responses.retrieve(response_id)
+    assert stored.status == "incomplete" and stored.usage.output_tokens == 400
+
+
+def test_cancel_a_background_response_from_the_other_replica(scripted_fleet):
+    one, other = clients(scripted_fleet)
+    # 400 tokens per second: 4000 tokens would take 10 s.
+    queued = one.responses.create(model=SCRIPTED_MODEL, input="long long way", background=True,
+                                  max_output_tokens=4000)
+    stream = other.responses.retrieve(queued.id, stream=True)
+    deltas = 0
+    for event in stream:
+        deltas += event.type == "response.output_text.delta"
+        if deltas == 5:
+            break
+    cancelled = other.responses.cancel(queued.id)
+    assert cancelled.status == "cancelled"
+    final = wait_for(lambda: (r := one.responses.retrieve(queued.id)).usage is not None and r, 30,
+                     "the cancelled run to store its end")
+    assert final.status == "cancelled"
+    assert 5 <= final.usage.output_tokens < 4000  # the worker stopped
+    events = list(one.responses.retrieve(queued.id, stream=True))
+    assert events[-1].type == "response.incomplete" and events[-1].response.status == "cancelled"
+    with pytest.raises(openai.BadRequestError):
+        one.responses.cancel(queued.id)  # a cancelled response stays cancelled

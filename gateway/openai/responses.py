@@ -24,13 +24,14 @@ from fastapi import APIRouter, Request
 from pydantic import Field, model_validator
 from starlette.responses import Response, StreamingResponse
 
+from gateway import streams
 from gateway.errors import error_body, json_response
 from gateway.fleet import Fleet
 from gateway.openai.response_store import ResponseStore, StoredResponse
 from gateway.protocol import MAX_STOP_STRINGS, FieldRuleError, OpenAIModel, check_sampling
 from gateway.serving import Formatter, new_envelope, request_json, serve_generation
 from shared.envelopes import Candidate, GenerationChunk, RequestEnvelope, SamplingOptions, ToolCallDelta, Usage
-from shared.errors import FleetError, InvalidRequest
+from shared.errors import FleetError
 
 router = APIRouter()
 
@@ -532,7 +533,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         envelope.deadline = min(envelope.deadline, envelope.arrival + body.timeout)
     formatter = ResponsesFormatter(body, envelope, view.max_model_len)
     if body.background:
-        return await _start_background(request, fleet, store, envelope, formatter, history)
+        return await _start_background(fleet, store, envelope, formatter, history)
     answer = await serve_generation(request, fleet, envelope, formatter)
     if not body.store:
         return answer
@@ -555,9 +556,28 @@ async def _saved_before_end(parts: AsyncIterator[bytes], formatter: ResponsesFor
         yield part
 
 
-async def _start_background(request: Request, fleet: Fleet, store: ResponseStore, envelope: RequestEnvelope,
+async def _start_background(fleet: Fleet, store: ResponseStore, envelope: RequestEnvelope,
                             formatter: ResponsesFormatter, history: list[dict[str, Any]]) -> Response:
-    raise InvalidRequest("background responses are not available yet", param="background")
+    """Store the response as queued, run it detached from this request (`gateway/streams.py`: its
+    events kept in Redis for any replica to follow), and answer at once: the queued Response, or
+    for `stream` the events as they come. Its end is stored by the run, whoever listens."""
+    queued = formatter.response_object("queued", [])
+    await store.save(queued, history)
+
+    async def store_end(_terminal: GenerationChunk | None, error: FleetError | None) -> None:
+        final = formatter.final  # None when the run ended before any event (a refusal)
+        if final is None:
+            final = formatter.response_object("failed" if error else "cancelled", formatter.output, None, error)
+        await store.save(final, history)
+
+    try:
+        await streams.run_detached(fleet, envelope, formatter, on_terminal=store_end)
+    except FleetError as exc:  # not queued (429, 503): the response never existed
+        await store.delete(queued["id"])
+        return formatter.error_response(exc)
+    if formatter.body.stream:
+        return StreamingResponse(await streams.follow(fleet, queued["id"], None), media_type="text/event-stream")
+    return json_response(queued)
 
 
 @router.get("/v1/responses/{response_id}")
@@ -567,6 +587,9 @@ async def retrieve_response(response_id: str, request: Request, stream: bool = F
     stored = await response_store(fleet).get(response_id)
     if stored is None:
         return not_found(response_id)
+    if stream:  # replay the kept events after `starting_after`, then follow the live ones
+        return StreamingResponse(await streams.follow(fleet, response_id, starting_after),
+                                 media_type="text/event-stream")
     return json_response(stored.response)
 
 
