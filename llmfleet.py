@@ -132,6 +132,10 @@ def gateway(host: str, port: int, redis_url: str, request_timeout: float, queue_
 @option("tool-call-parser", default=None)
 @option("enable-auto-tool-choice", is_flag=True)
 @option("reasoning-parser", default=None)
+@option("allowed-media-domains", default=None, help="Comma-separated domains the worker may fetch media "
+        "(image_url, audio_url, video_url parts) from; default: none, unlike vllm serve (see worker/media.py).")
+@option("allowed-local-media-path", default=None, help="A directory whose files file: media URLs may name; "
+        "default: none.")
 @option("scripted-tokens-per-second", default=0.0, type=float, help="Scripted engine pace (0: no pause).")
 @option("scripted-first-token-delay", default=0.0, type=float, help="Scripted engine delay, seconds.")
 @option("kinds", default="", help="Comma-separated request kinds to accept (chat, completion, tokenize, "
@@ -159,6 +163,9 @@ def worker(model, engine, served_model_name, redis_url, max_concurrency, metrics
 
         if reasoning_parser:  # the engine needs it too: structured outputs start after the reasoning
             engine_options["reasoning_parser"] = reasoning_parser
+        if engine_options["allowed_media_domains"]:
+            engine_options["allowed_media_domains"] = [
+                domain.strip() for domain in engine_options["allowed_media_domains"].split(",") if domain.strip()]
         engine_args = AsyncEngineArgs(model=model, served_model_name=name,
                                       **{k: v for k, v in engine_options.items() if v is not None})
         adapter = VLLMAdapter(engine_args, name, chat_template=_read(chat_template),

@@ -18,8 +18,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from shared.envelopes import SamplingOptions
 from shared.errors import InvalidRequest
 
+# `vllm serve` takes any number of stop strings on chat and completions, and so does the gateway
+# now (issue #12); the other families' modules still import this.
 MAX_STOP_STRINGS = 4
 MAX_N = 128
+# Prompts of one completion request. vLLM sets no limit; the gateway holds state for each of the
+# prompts' n choices, so it keeps the count bounded.
+MAX_PROMPTS = 1024
 MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
@@ -40,6 +45,15 @@ class TextPart(OpenAIModel):
     text: str
 
 
+class MediaPart(OpenAIModel):
+    """A content part that is not text (`image_url`, `input_audio`...): passed to the worker's
+    engine as it was sent, as `vllm serve` passes it to the model; the engine checks it (a
+    text-only model refuses it) and fetches its URLs only from where its operator allows."""
+
+    type: Literal["image_url", "input_audio", "audio_url", "video_url", "file", "refusal", "thinking",
+                  "image_embeds", "audio_embeds", "video_embeds", "prompt_embeds", "tool_reference"]
+
+
 class ToolCallFunction(OpenAIModel):
     name: str
     arguments: str | dict[str, Any] = ""
@@ -53,7 +67,7 @@ class MessageToolCall(OpenAIModel):
 
 class ChatMessage(OpenAIModel):
     role: str  # any role the chat template knows; vLLM renders custom roles too
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | MediaPart] | None = None
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
@@ -120,11 +134,7 @@ class GenerationRequest(OpenAIModel):
     @field_validator("stop")
     @classmethod
     def _stop_list(cls, value: str | list[str] | None) -> list[str] | None:
-        if isinstance(value, str):
-            value = [value]
-        if value is not None and len(value) > MAX_STOP_STRINGS:
-            raise FieldRuleError(f"at most {MAX_STOP_STRINGS} stop sequences are allowed", param="stop")
-        return value
+        return [value] if isinstance(value, str) else value
 
     @field_validator("logit_bias")
     @classmethod
@@ -145,6 +155,11 @@ class GenerationRequest(OpenAIModel):
             raise FieldRuleError("When response_format type is 'json_schema', the 'json_schema' field "
                                  "must be provided.", param="response_format")
         return self
+
+    @property
+    def choice_count(self) -> int:
+        """The choices of the answer."""
+        return self.n
 
     def sampling_options(self, max_tokens: int | None, logprobs: int | None, echo: bool) -> SamplingOptions:
         return SamplingOptions(
@@ -208,15 +223,17 @@ class CompletionRequest(GenerationRequest):
 
     @field_validator("prompt")
     @classmethod
-    def _single_prompt(cls, value):
-        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
-            if len(value) != 1:
-                raise FieldRuleError("only one prompt per request is supported; send one request per prompt",
-                                     param="prompt")
-            value = value[0]
+    def _some_prompt(cls, value):
         if not value:
             raise FieldRuleError("Either prompt or prompt_embeds must be provided and non-empty.", param="prompt")
+        if len(prompts_of(value)) > MAX_PROMPTS:
+            raise FieldRuleError(f"at most {MAX_PROMPTS} prompts per request are allowed", param="prompt")
         return value
+
+    @property
+    def choice_count(self) -> int:
+        """The choices of the answer: n per prompt, choice `c` of prompt `p` at index p * n + c (vLLM's)."""
+        return self.n * len(prompts_of(self.prompt))
 
     @model_validator(mode="after")
     def _completion_rules(self) -> CompletionRequest:
@@ -228,6 +245,14 @@ class CompletionRequest(GenerationRequest):
         if self.max_tokens is None:
             self.max_tokens = 16
         return self
+
+
+def prompts_of(prompt: str | list) -> list:
+    """The prompts of a completion's `prompt`: a string or a list of token ids is one prompt; a list
+    of strings or of token id lists is one prompt each."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        return prompt
+    return [prompt]
 
 
 def check_sampling(options: SamplingOptions, max_model_len: int, max_tokens_field: str = "max_tokens") -> None:

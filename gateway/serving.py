@@ -82,13 +82,13 @@ class Formatter:
         self.response_id = f"{self.id_prefix}-{envelope.request_id}"
         self.created = int(envelope.arrival)
         self.model = envelope.model
-        self.n = request.n
+        self.n = request.choice_count  # n, or n per prompt of a completion with several
         options = request.stream_options
         self.include_usage = bool(options and options.include_usage)
         self.continuous_usage = self.include_usage and bool(options.continuous_usage_stats)
         self._prompt_tokens = 0
-        self._tokens = [0] * request.n  # completion tokens per choice so far
-        self._finished = [False] * request.n
+        self._tokens = [0] * self.n  # completion tokens per choice so far
+        self._finished = [False] * self.n
         self._fingerprint: str | None = None
 
     def _chunk(self, choices: list[dict[str, Any]], usage: dict | None = None) -> dict[str, Any]:

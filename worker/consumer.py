@@ -39,7 +39,7 @@ from shared.logs import REQUEST_ID
 from shared.redis_batch import BatchedRedis
 from shared.stopping import pause, stop_tasks, within
 from worker import metrics
-from worker.adapter import GenerationAdapter
+from worker.adapter import GenerationAdapter, choice_count
 from worker.aggregate import collect_candidates
 from worker.publisher import ReplyPublisher
 
@@ -321,7 +321,7 @@ class RequestConsumer:
                 delay, lambda: self._spawn(self.cancel(request.request_id, "deadline")))
         try:
             if not request.stream:
-                return await collect_candidates(chunks, request.params.n)
+                return await collect_candidates(chunks, choice_count(request))
             async for chunk in chunks:
                 if chunk.done:
                     return chunk
@@ -522,7 +522,7 @@ class _Progress:
 
 def _cancelled_terminal(request: RequestEnvelope) -> GenerationChunk:
     candidates = None if request.stream else [Candidate(i, finish_reason="cancelled")
-                                              for i in range(request.params.n)]
+                                              for i in range(choice_count(request))]
     return GenerationChunk(done=True, finish_reason="cancelled", usage=Usage(), candidates=candidates)
 
 

@@ -2,8 +2,10 @@
 
 The script: the words of the prompt (the last user message for chat) repeated in order, one
 word per token, until `max_tokens` (16 when unset) or a stop string. Prompt tokens are the
-words of every message. With n > 1 every choice gets the same words, prefixed by its index
-("1:hello") when the index is not 0, so choices are told apart. Pacing options make a run slow
+words of every message. With n > 1 every choice gets the same words, prefixed by its number
+among its prompt's choices ("1:hello") when that is not 0, so choices are told apart. A
+completion with several prompts answers each, its n choices at indexes prompt * n + choice.
+Media content parts (images, audio) are not read. Pacing options make a run slow
 to start or slow to stream, so tests can cancel or kill it at a chosen point.
 """
 
@@ -15,23 +17,24 @@ from collections.abc import AsyncIterator
 
 from shared.envelopes import GenerationChunk, RequestEnvelope, Usage
 from shared.errors import InvalidRequest
-from worker.adapter import GenerationAdapter
+from worker.adapter import GenerationAdapter, completion_prompts
 
 DEFAULT_MAX_TOKENS = 16
 
 
-def script_words(request: RequestEnvelope) -> tuple[list[str], int]:
-    """The words to repeat and the prompt's token count."""
+def script_words(request: RequestEnvelope) -> list[tuple[list[str], int]]:
+    """For each prompt, the words to repeat and the prompt's token count."""
     if request.kind == "chat":
         messages = request.body.get("messages") or ()
         texts = [_message_text(m) for m in messages]
         user_texts = [_message_text(m) for m in messages if m.get("role") == "user"]
         words = (user_texts[-1] if user_texts else "").split()
         prompt_tokens = sum(len(t.split()) for t in texts)
-        return words or ["ok"], prompt_tokens
-    prompt = request.body.get("prompt")
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # one prompt per request, checked by the gateway
+        return [(words or ["ok"], prompt_tokens)]
+    return [_prompt_words(prompt) for prompt in completion_prompts(request)]
+
+
+def _prompt_words(prompt: str | list[int] | None) -> tuple[list[str], int]:
     if isinstance(prompt, list):
         return [str(token) for token in prompt] or ["ok"], len(prompt)
     words = (prompt or "").split()
@@ -41,7 +44,7 @@ def script_words(request: RequestEnvelope) -> tuple[list[str], int]:
 def _message_text(message: dict) -> str:
     content = message.get("content")
     if isinstance(content, list):
-        return " ".join(part.get("text", "") for part in content if isinstance(part, dict))
+        return " ".join(part.get("text") or "" for part in content if isinstance(part, dict))
     return content or ""
 
 
@@ -69,9 +72,9 @@ class ScriptedAdapter(GenerationAdapter):
     async def generate(self, request: RequestEnvelope) -> AsyncIterator[GenerationChunk]:
         if request.kind not in ("chat", "completion"):
             raise InvalidRequest(f"the scripted engine has no tokenizer: it cannot {request.kind}")
-        words, prompt_tokens = script_words(request)
+        prompts = script_words(request)
         params = request.params
-        if prompt_tokens > self.max_model_len:
+        if (prompt_tokens := max(tokens for _words, tokens in prompts)) > self.max_model_len:
             raise InvalidRequest(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your "
                 f"prompt contains at least {prompt_tokens} input tokens.",
@@ -80,8 +83,8 @@ class ScriptedAdapter(GenerationAdapter):
         max_tokens = params.max_tokens or DEFAULT_MAX_TOKENS
         aborted = self._aborts[request.request_id] = asyncio.Event()
         try:
-            async for chunk in self._run(words, max_tokens, params.n, params.stop or [], aborted,
-                                         prompt_tokens, params.logprobs, request.kind):
+            async for chunk in self._run(prompts, max_tokens, params.n, params.stop or [], aborted,
+                                         params.logprobs, request.kind):
                 yield chunk
         finally:
             del self._aborts[request.request_id]
@@ -93,22 +96,24 @@ class ScriptedAdapter(GenerationAdapter):
         else:
             await asyncio.sleep(0)  # let cancels and other requests in between tokens
 
-    async def _run(self, words, max_tokens, n, stops, aborted, prompt_tokens, logprobs, kind):
+    async def _run(self, prompts, max_tokens, n, stops, aborted, logprobs, kind):
         await self._pause(self.first_token_delay, aborted)
-        texts = [""] * n
-        finish: list[str | None] = [None] * n
+        choices = len(prompts) * n
+        texts = [""] * choices
+        finish: list[str | None] = [None] * choices
         generated = 0
         for step in range(max_tokens):
             if aborted.is_set():
                 break
-            for index in range(n):
+            for index in range(choices):
                 if finish[index] is not None:
                     continue
+                (words, prompt_tokens), choice = prompts[index // n], index % n
                 word = words[step % len(words)]
-                piece = (word if step == 0 else " " + word) if index == 0 else f"{' ' if step else ''}{index}:{word}"
+                piece = (word if step == 0 else " " + word) if choice == 0 else f"{' ' if step else ''}{choice}:{word}"
                 generated += 1
                 chunk = _delta(index, piece, generated == 1, logprobs, kind, len(texts[index]))
-                if generated == 1:  # the prompt's size, for running usage
+                if texts[index] == "":  # the prompt's size, for running usage
                     chunk.usage = Usage(prompt_tokens=prompt_tokens)
                 texts[index] += piece
                 hit = next((s for s in stops if s in texts[index]), None)
@@ -127,7 +132,7 @@ class ScriptedAdapter(GenerationAdapter):
         yield GenerationChunk(
             done=True,
             finish_reason=reason or finish[0],
-            usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=generated),
+            usage=Usage(prompt_tokens=sum(tokens for _words, tokens in prompts), completion_tokens=generated),
         )
 
 

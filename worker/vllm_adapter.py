@@ -20,6 +20,7 @@ with a "cancelled" terminal chunk.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -43,8 +44,9 @@ from vllm.renderers.online_renderer import OnlineRenderer
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from shared.envelopes import KINDS, Candidate, GenerationChunk, RequestEnvelope, ToolCallDelta, Usage
-from shared.errors import ErrorInfo
-from worker.adapter import GenerationAdapter
+from shared.errors import ErrorInfo, FleetError
+from worker.adapter import GenerationAdapter, completion_prompts
+from worker.media import check_media_urls
 
 _FINISH_REASONS = {"abort": "cancelled"}  # vLLM's word for a cancelled request; the rest pass through
 _TOKENIZE = pydantic.TypeAdapter(TokenizeRequest)
@@ -64,6 +66,7 @@ class VLLMAdapter(GenerationAdapter):
         self.enable_auto_tool_choice = enable_auto_tool_choice
         self.reasoning_parser = reasoning_parser
         self.engine: AsyncLLM | None = None
+        self._prompts: dict[str, int] = {}  # request id -> prompts of a running completion
 
     async def start(self) -> None:
         """Build the engine, then `vllm serve`'s handlers over it (as `init_app_state` does)."""
@@ -98,16 +101,31 @@ class VLLMAdapter(GenerationAdapter):
 
     async def abort(self, request_id: str) -> None:
         # vLLM's handlers name engine requests after the API: chatcmpl-<id>, cmpl-<id>-<prompt index>.
-        await self.engine.abort([f"chatcmpl-{request_id}", f"cmpl-{request_id}-0"])
+        prompts = range(self._prompts.get(request_id, 1))
+        await self.engine.abort([f"chatcmpl-{request_id}", *(f"cmpl-{request_id}-{i}" for i in prompts)])
 
     async def generate(self, request: RequestEnvelope) -> AsyncIterator[GenerationChunk]:
+        if request.kind == "completion":
+            self._prompts[request.request_id] = len(completion_prompts(request))
         try:
+            async with contextlib.aclosing(self._generate(request)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            self._prompts.pop(request.request_id, None)
+
+    async def _generate(self, request: RequestEnvelope) -> AsyncIterator[GenerationChunk]:
+        try:
+            check_media_urls(request.body, self.engine_args.allowed_media_domains)
             result = await self._handle(request)
         except pydantic.ValidationError as exc:
             yield _validation_error(exc)
             return
         except (VLLMError, ValueError, TypeError, OverflowError, NotImplementedError) as exc:
             yield _error_chunk(create_error_response(exc))
+            return
+        except FleetError as exc:
+            yield GenerationChunk(done=True, finish_reason="error", error=exc.to_info())
             return
         if isinstance(result, ErrorResponse):
             yield _error_chunk(result)
