@@ -364,9 +364,12 @@ async def serve_resumable(request: Request, fleet: Fleet, envelope: RequestEnvel
     except ClientDisconnected:
         run.abandon()  # gone before its first event, it never learnt the id to resume with
         return Response(status_code=499)
+    if run.refusal is not None:  # set before its error events went out: answer it as a status
+        run.unlisten(listener)
+        return formatter.error_response(run.refusal)
     if first is None:
-        return formatter.error_response(run.refusal or ServiceUnavailable(
-            "This gateway stopped before the response began; retry the request."))
+        return formatter.error_response(ServiceUnavailable("This gateway stopped before the response began; "
+                                                           "retry the request."))
     return StreamingResponse(_relay_to_client(run, listener, first), media_type="text/event-stream")
 
 
