@@ -229,3 +229,20 @@ def test_a_flood_of_resumable_streams_leaves_nothing_behind(gateways, model, red
     assert not list(redis_client.scan_iter(match="llmfleet:reader:*"))
     assert not leftover_keys(redis_client)
     assert _cancels(worker, cause="disconnect") == 0  # 5 tokens end before any grace runs out
+
+
+def test_a_stopping_gateway_ends_its_detached_runs(redis_url, gateways, model):
+    name, worker = model
+    doomed = start_gateway(redis_url, "--drain-grace", "1", "--resume-grace", "60")
+    try:
+        wait_until_served(doomed, name)
+        first = _start(doomed.url, _chat(name, max_tokens=400), 2)  # 20 s of tokens, nobody reading
+        stopping = time.monotonic()
+        assert doomed.stop(timeout=30) == 0
+        # Drain grace, then Fleet.stop's bound for detached runs: well under the run's 20 s.
+        assert time.monotonic() - stopping < 12
+    finally:
+        doomed.kill()
+    wait_for(lambda: _cancels(worker, cause="disconnect") == 1, 10, "the worker to stop the run")
+    rest = _resume(gateways[0].url, _data(first[0])["id"], last_event_id=1)
+    assert _data(rest[-1]) == "[DONE]" and _data(rest[-2])["error"]["code"] == 503
