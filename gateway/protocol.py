@@ -11,6 +11,7 @@ Rules that need the tokenizer (prompt length, token ids in the vocabulary) run o
 from __future__ import annotations
 
 import math
+import os
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -18,13 +19,14 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from shared.envelopes import SamplingOptions
 from shared.errors import InvalidRequest
 
-# `vllm serve` takes any number of stop strings on chat and completions, and so does the gateway
-# now (issue #12); the other families' modules still import this.
+# vLLM's default limit of stop strings (VLLM_MAX_STOP_STRINGS). The gateway leaves that limit on
+# chat and completions to the worker's vLLM, which words its refusal as `vllm serve` does and
+# follows the same variable; the other families' modules still import this.
 MAX_STOP_STRINGS = 4
 MAX_N = 128
-# Prompts of one completion request. vLLM sets no limit; the gateway holds state for each of the
-# prompts' n choices, so it keeps the count bounded.
-MAX_PROMPTS = 1024
+# Prompts of one completion request, as `vllm serve` bounds them: the gateway holds state for each
+# of the prompts' n choices.
+MAX_PROMPTS = int(os.environ.get("VLLM_MAX_COMPLETION_PROMPTS", "1024"))
 MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
@@ -226,8 +228,10 @@ class CompletionRequest(GenerationRequest):
     def _some_prompt(cls, value):
         if not value:
             raise FieldRuleError("Either prompt or prompt_embeds must be provided and non-empty.", param="prompt")
-        if len(prompts_of(value)) > MAX_PROMPTS:
-            raise FieldRuleError(f"at most {MAX_PROMPTS} prompts per request are allowed", param="prompt")
+        if (count := len(prompts_of(value))) > MAX_PROMPTS:
+            raise FieldRuleError(f"prompt list length {count} exceeds the maximum allowed count of {MAX_PROMPTS}. "
+                                 "To increase this limit, set the VLLM_MAX_COMPLETION_PROMPTS environment variable.",
+                                 param="prompt")
         return value
 
     @property

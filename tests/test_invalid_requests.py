@@ -54,8 +54,8 @@ CASES = [
     ("tools empty", "chat", {"model": M, "messages": USER, "tools": []}, BAD_PARAM, "tools"),
     ("tool_choice without tools", "chat", {"model": M, "messages": USER, "tool_choice": "required"}, BAD_PARAM,
      "tool_choice"),
-    # More than four stop strings, several prompts and media parts are served, as on vllm serve
-    # (tests/test_parity_edges.py); too many prompts for the gateway to follow are not.
+    # Several prompts and media parts are served, as on vllm serve, and the worker's engine bounds the
+    # stop strings (tests/test_parity_edges.py); more prompts than vllm serve takes are refused here.
     ("1025 prompts", "completions", {"model": M, "prompt": ["a"] * 1025}, BAD_PARAM, "prompt"),
     ("empty stop string", "chat", {"model": M, "messages": USER, "stop": [""]}, BAD_PARAM, None),
     ("logit_bias key not a token id", "chat", {"model": M, "messages": USER, "logit_bias": {"abc": 1}}, BAD_PARAM,

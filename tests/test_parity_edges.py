@@ -1,10 +1,14 @@
-"""Requests `vllm serve` accepts that llmfleet once refused with a 400 (issue #12): more than four
-stop strings, several prompts in one completion, media content parts. Scripted workers here; the
-vLLM worker's answers are in tests/test_vllm_e2e.py and the parity battery (tests/parity)."""
+"""Requests llmfleet once refused with a 400 of its own (issue #12): more than four stop strings,
+several prompts in one completion, media content parts. They now reach the worker's engine, which
+answers them as `vllm serve` does: vLLM 0.32 itself refuses more than VLLM_MAX_STOP_STRINGS (4)
+stop strings, with its own message; the scripted engine takes any number. Scripted and vLLM
+workers here; the parity battery (tests/parity) compares the vLLM answers with `vllm serve`'s."""
 
 from __future__ import annotations
 
+import http.server
 import json
+import threading
 from collections import defaultdict
 
 import httpx
@@ -110,3 +114,83 @@ def test_inline_media_is_not_a_fetch():
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
         {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}]}]}
     check_media_urls(body, None)
+
+
+@pytest.fixture
+def recording_http_server():
+    """A local HTTP server that records every path asked of it."""
+    hits: list[str] = []
+
+    class Recorder(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the stdlib's name
+            hits.append(self.path)
+            self.send_response(404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", hits
+    server.shutdown()
+    thread.join(5)
+
+
+@pytest.mark.vllm
+def test_a_vllm_worker_fetches_no_media_url_by_default(vllm_stack, recording_http_server):
+    base, hits = recording_http_server
+    body = {"model": vllm_stack.model, "max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": f"{base}/cat.png"}}]}]}
+    response = httpx.post(f"{vllm_stack.gateway.url}/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == 400, response.text
+    assert "fetches no media from URLs" in response.json()["error"]["message"]
+    assert hits == []
+
+
+@pytest.mark.vllm
+def test_a_text_only_vllm_model_answers_its_own_error_for_an_image(vllm_stack):
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    body = {"model": vllm_stack.model, "max_tokens": 2,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, image]}]}
+    response = httpx.post(f"{vllm_stack.gateway.url}/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == 400, response.text
+    assert "fetches no media" not in response.json()["error"]["message"]
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("stream", [False, True])
+def test_several_prompts_on_vllm_answer_as_one_request_each(vllm_stack, stream):
+    """Greedy: each prompt's choice is what a request with that prompt alone answers."""
+    url = f"{vllm_stack.gateway.url}/v1/completions"
+    prompts = ["The harbour at dawn", "A quiet street"]
+    common = {"model": vllm_stack.model, "max_tokens": 5, "temperature": 0}
+    alone = [httpx.post(url, json={**common, "prompt": p}, timeout=120).json() for p in prompts]
+    if stream:
+        with httpx.stream("POST", url, timeout=120, json={**common, "prompt": prompts, "stream": True,
+                                                           "stream_options": {"include_usage": True}}) as response:
+            events = _sse(response)
+        texts = defaultdict(str)
+        for event in events:
+            for choice in event["choices"]:
+                texts[choice["index"]] += choice["text"]
+        usage = events[-1]["usage"]
+    else:
+        together = httpx.post(url, json={**common, "prompt": prompts}, timeout=120).json()
+        texts = {c["index"]: c["text"] for c in together["choices"]}
+        usage = together["usage"]
+    assert dict(texts) == {i: answer["choices"][0]["text"] for i, answer in enumerate(alone)}
+    assert usage["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
+    assert usage["completion_tokens"] == sum(a["usage"]["completion_tokens"] for a in alone)
+
+
+@pytest.mark.vllm
+def test_the_stop_string_limit_is_the_vllm_workers(vllm_stack):
+    """vLLM's own limit (VLLM_MAX_STOP_STRINGS, 4 by default), in vLLM's words, as `vllm serve` answers."""
+    body = {"model": vllm_stack.model, "prompt": "The harbour", "max_tokens": 2, "stop": ["#1", "#2", "#3", "#4", "#5"]}
+    response = httpx.post(f"{vllm_stack.gateway.url}/v1/completions", json=body, timeout=120)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["type"], error["param"]) == ("Bad Request", "body.stop")
+    assert "List should have at most 4 items after validation, not 5" in error["message"]
