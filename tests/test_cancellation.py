@@ -204,6 +204,45 @@ def test_cancel_by_the_id_of_another_family(gateways, slow_worker, prefix):
     assert _finishes(rest) == ["cancelled"]
 
 
+FAMILY_STREAMS = {  # path, body, the key of the response id in the first event with one
+    "messages": ("/v1/messages", lambda model, **extra: {
+        "model": model, "max_tokens": 200, "stream": True, "messages": [{"role": "user", "content": "tick tock"}],
+        **extra}),
+    "responses": ("/v1/responses", lambda model, **extra: {
+        "model": model, "max_output_tokens": 200, "stream": True, "input": "tick tock", "store": False, **extra}),
+}
+
+
+def _first_id(lines) -> str:
+    """The response id of a named-event stream (Anthropic's message_start, Responses' response.created)."""
+    for line in lines:
+        if line.startswith("data: "):
+            event = json.loads(line[6:])
+            found = (event.get("message") or event.get("response") or {}).get("id")
+            if found:
+                return found
+    raise AssertionError("the stream ended before naming its response")
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_STREAMS))
+@pytest.mark.parametrize("by", ["cancel_id", "id"])
+def test_cancel_works_on_every_family(gateways, slow_worker, family, by):
+    """`cancel_id` and the `msg_...`/`resp_...` ids the client saw both stop the run, from the other replica."""
+    model = _served(gateways, slow_worker)
+    path, body = FAMILY_STREAMS[family]
+    cancel_id = uuid.uuid4().hex
+    with httpx.stream("POST", f"{gateways[0].url}{path}", json=body(model, cancel_id=cancel_id)) as response:
+        assert response.status_code == 200, response.read()
+        lines = response.iter_lines()
+        response_id = _first_id(lines)
+        wait_for(lambda: _in_flight(slow_worker) == 1, 5, "the request to be running")
+        target = {"cancel_id": cancel_id} if by == "cancel_id" else {"id": response_id}
+        assert httpx.post(f"{gateways[1].url}/v1/cancel", json=target).json() == {"cancelled": 1}
+        list(lines)
+    wait_for(lambda: _in_flight(slow_worker) == 0, 5, "the worker to abort the request")
+    assert _cancels(slow_worker, cause="explicit") == 1
+
+
 @pytest.fixture
 def two_slot_worker(redis_url):
     model = f"pair-{uuid.uuid4().hex[:6]}"
