@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import openai
 
-from tests.parity import battery_responses
+from tests.parity import battery_messages, battery_responses
 from tests.parity.battery import MAX_MODEL_LEN, THINK_MODEL, TOOLS_MODEL, Case, build
 from tests.parity.compare import Answer, differences, error_message, parse_sse, view
 from tests.procs import (
@@ -135,7 +135,7 @@ class Result:
 
 def run_battery(servers: Servers, cases: list[Case] | None = None) -> list[Result]:
     results = []
-    cases = cases or build() + battery_responses.build()
+    cases = cases or build() + battery_responses.build() + battery_messages.build()
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     answers = open(LOG_DIR / "parity-answers.jsonl", "w")  # noqa: SIM115 - closed below
     with answers, httpx.Client(timeout=300) as client:  # generous: CI machines are slow and shared
@@ -144,6 +144,9 @@ def run_battery(servers: Servers, cases: list[Case] | None = None) -> list[Resul
             actual = send(client, servers.fleet, case)
             if case.path == battery_responses.PATH:
                 diffs = battery_responses.responses_differences(expected, actual)
+            elif battery_messages.owns(case):
+                diffs = (differences(battery_messages.view(expected), battery_messages.view(actual))
+                         + battery_messages.client_problems(case, servers.fleet))
             else:
                 diffs = differences(view(expected), view(actual)) + sdk_problems(case, servers.fleet)
             answers.write(json.dumps({"case": case.name, "vllm": [expected.status, expected.body],
@@ -183,7 +186,7 @@ def details(results: list[Result]) -> str:
 def main() -> int:
     from worker.tiny_model import write_tiny_model
 
-    cases = build() + battery_responses.build()
+    cases = build() + battery_responses.build() + battery_messages.build()
     if len(sys.argv) > 1:
         cases = [c for c in cases if any(word in f"{c.feature} {c.name}" for word in sys.argv[1:])]
     with tempfile.TemporaryDirectory() as tmp:
