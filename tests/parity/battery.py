@@ -59,6 +59,12 @@ PERSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "ma
                  "required": ["name", "age"], "additionalProperties": False}
 
 
+# Inline media (no fetch): a 1x1 PNG and a silent 1-sample WAV.
+TINY_PNG = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQ"
+            "AAAABJRU5ErkJggg==")
+TINY_WAV = "UklGRiYAAABXQVZFZm10IBAAAAABAAEAQB8AAIA+AAACABAAZGF0YQIAAAAAAA=="
+
+
 def chat(**extra) -> dict[str, Any]:
     return {"model": TOOLS_MODEL, "messages": HELLO, "temperature": 0, "max_tokens": 8, **extra}
 
@@ -91,6 +97,11 @@ def build() -> list[Case]:
     b.add("sampling", "completion greedy", P, completion(), both=True)
     b.add("sampling", "completion seeded", P, completion(temperature=1.0, seed=7, max_tokens=10), both=True)
     b.add("sampling", "completion token-id prompt", P, completion(prompt=[200, 201, 202, 203]))
+    b.add("sampling", "several prompts", P, completion(prompt=["Once upon a time", "The harbour at dawn"]),
+          both=True)
+    b.add("sampling", "several token-id prompts", P, completion(prompt=[[200, 201], [202, 203, 204]]))
+    b.add("n>1", "several prompts, n=2 seeded", P,
+          completion(prompt=["Once upon a time", "The harbour"], n=2, temperature=1.0, seed=7), both=True)
 
     # n > 1
     b.add("n>1", "chat n=3", C, chat(n=3, temperature=0.8, seed=11, max_tokens=6), both=True)
@@ -206,6 +217,12 @@ def build() -> list[Case]:
     b.add("errors", "completion missing prompt", P, {"model": TOOLS_MODEL}, **bad)
     b.add("errors", "completion token id outside the vocabulary", P, completion(prompt=[5, 99999]), **bad)
     b.add("errors", "min_tokens above max_tokens", C, chat(min_tokens=9, max_tokens=4), **bad)
+    b.add("errors", "five stop strings", C, chat(stop=["#1", "#2", "#3", "#4", "#5"]), **bad)
+    b.add("errors", "five stop strings (completion)", P, completion(stop=["#1", "#2", "#3", "#4", "#5"]), **bad)
+    for part in ({"type": "image_url", "image_url": {"url": TINY_PNG}},
+                 {"type": "input_audio", "input_audio": {"data": TINY_WAV, "format": "wav"}}):
+        b.add("errors", f"{part['type']} part, text-only model", C,
+              chat(messages=[{"role": "user", "content": [{"type": "text", "text": "What is this?"}, part]}]), **bad)
     b.add("errors", "json_schema without a schema", C, chat(response_format={"type": "json_schema"}), **bad)
     b.add("errors", "named tool that does not exist", C,
           chat(tools=[WEATHER_TOOL], tool_choice={"type": "function", "function": {"name": "nope"}}), **bad)
