@@ -122,7 +122,7 @@ def recording_http_server():
     hits: list[str] = []
 
     class Recorder(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - the stdlib's name
+        def do_GET(self):  # the stdlib names it
             hits.append(self.path)
             self.send_response(404)
             self.end_headers()
