@@ -86,5 +86,10 @@ def test_models_lists_live_models_and_health_endpoints(scripted_fleet):
     assert models[SCRIPTED_MODEL]["object"] == "model"
     assert httpx.get(f"{gateway.url}/health").status_code == 200
     assert httpx.get(f"{gateway.url}/ready").status_code == 200
-    metrics = httpx.get(f"{gateway.url}/metrics").text
-    assert "llmfleet_gateway_requests_total" in metrics
+    # /metrics counts: one more answer for the model (prometheus_client prints a metric's name
+    # even with nothing counted, so look at the sample).
+    answered = {"family": "openai", "endpoint": "chat", "model": SCRIPTED_MODEL, "status": "200"}
+    before = metric_value(gateway.url, "llmfleet_gateway_requests_total", **answered)
+    httpx.post(f"{gateway.url}/v1/chat/completions", timeout=30, json={
+        "model": SCRIPTED_MODEL, "messages": [{"role": "user", "content": "count me"}], "max_tokens": 2})
+    assert metric_value(gateway.url, "llmfleet_gateway_requests_total", **answered) == before + 1
