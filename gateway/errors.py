@@ -52,9 +52,18 @@ def fleet_error_response(error: FleetError) -> Response:
     return json_response(fleet_error_body(error), error.status, headers)
 
 
+# pydantic's own markers in an error's `loc` (wrappers, union branches), which vLLM 0.32 leaves out
+# of `param` (its clean_loc_for_param): `input: 42` is param "body.input", not "body.input.str".
+_LOC_MARKERS = frozenset({
+    "function-wrap", "function-after", "function-before", "function-plain", "json-or-python", "lax-or-strict",
+    "chain", "default", "nullable", "tagged-union", "union", "call", "arguments", "is-instance", "is-subclass",
+    "callable", "str", "int", "float", "bool", "bytes", "bytearray", "list", "tuple", "dict", "set", "frozenset",
+    "complex", "none", "nonetype"})
+
+
 def _loc_param(loc: tuple) -> str:
-    return ".".join(str(p) for p in loc if not any(c in str(p) for c in "[]()") and p not in
-                    ("function-after", "function-before", "function-wrap", "union", "tagged-union"))
+    return ".".join(str(p) for p in loc
+                    if not any(c in str(p) for c in "[]{}()") and str(p).lower() not in _LOC_MARKERS)
 
 
 def _describe(error: dict) -> str:
