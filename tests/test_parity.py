@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.parity import battery_messages
+from tests.parity import battery_messages, battery_responses
 from tests.parity.battery import build
 from tests.parity.harness import details, run_battery, running_servers, summary
 from tests.procs import LOG_DIR
@@ -31,6 +31,12 @@ def test_messages_battery_covers_the_surface():
     assert len(cases) >= 40 and sum(c.invalid for c in cases) >= 10 and sum(c.stream for c in cases) >= 10
     assert {c.feature for c in cases} >= {"anthropic text", "anthropic stop", "anthropic tools", "anthropic thinking",
                                           "anthropic count_tokens", "anthropic errors"}
+
+
+def test_responses_battery_covers_the_surface():
+    cases = battery_responses.build()
+    assert len(cases) >= 40 and sum(c.invalid for c in cases) >= 10 and sum(c.stream for c in cases) >= 10
+    assert {c.feature for c in cases} >= {"responses", "structured", "tools", "reasoning", "errors"}
 
 
 def test_every_answer_matches_vllm_serve(tiny_model_dir):
