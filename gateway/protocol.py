@@ -97,6 +97,7 @@ class Tool(OpenAIModel):
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+    include_timings: bool = False  # an extension: see GenerationRequest.include_timings
 
 
 class ResponseFormat(OpenAIModel):
@@ -132,6 +133,9 @@ class GenerationRequest(OpenAIModel):
     cancel_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     timeout: Annotated[float, Field(gt=0)] | None = None  # seconds; capped by the gateway's limit
     resumable: bool = False  # an extension: the stream survives its client (gateway/streams.py)
+    # An extension: the request's stage times ("timings": queue, prefill, decode, relay, total,
+    # tokens per second) on the response, or on a stream's last chunk (serving.request_timings).
+    include_timings: bool = False
 
     @field_validator("stop")
     @classmethod

@@ -77,6 +77,7 @@ class Formatter:
     # with their own last event instead of a marker.
     named_events = False
     done_marker: bytes | None = SSE_DONE
+    include_timings = False
 
     def __init__(self, request: GenerationRequest, envelope: RequestEnvelope):
         self.response_id = f"{self.id_prefix}-{envelope.request_id}"
@@ -86,6 +87,8 @@ class Formatter:
         options = request.stream_options
         self.include_usage = bool(options and options.include_usage)
         self.continuous_usage = self.include_usage and bool(options.continuous_usage_stats)
+        self.include_timings = request.include_timings or bool(options and options.include_timings)
+        self.arrival = envelope.arrival
         self._prompt_tokens = 0
         self._tokens = [0] * self.n  # completion tokens per choice so far
         self._finished = [False] * self.n
@@ -174,7 +177,26 @@ class Formatter:
             if self._fingerprint is not None:
                 event["system_fingerprint"] = self._fingerprint
             events.append(event)
+        if self.include_timings:  # on the usage chunk, or on a chunk of its own
+            if not self.include_usage:
+                events.append(self._chunk([]))
+            events[-1]["timings"] = request_timings(terminal, self.arrival)
         return events
+
+
+def request_timings(terminal: GenerationChunk, arrival: float) -> dict[str, float | None]:
+    """One request's stage times, seconds: queue (arrival to a worker's claim), prefill (to the
+    first token), decode (first token to last), relay (the worker's end to this gateway), total
+    (arrival to now), and completion tokens per second of decode. Worker and gateway clocks
+    meet in `relay`, which is only as right as they agree."""
+    now = time.time()
+    worker = terminal.timings or {}
+    decode = worker.get("decode_s")
+    tokens = terminal.usage.completion_tokens if terminal.usage is not None else 0
+    finished_at = worker.get("finished_at")
+    return {"queue_s": worker.get("queue_s"), "prefill_s": worker.get("prefill_s"), "decode_s": decode,
+            "relay_s": max(0.0, now - finished_at) if finished_at else None, "total_s": now - arrival,
+            "completion_tokens_per_s": tokens / decode if decode else None}
 
 
 async def request_json(request: Request) -> dict[str, Any]:
@@ -235,7 +257,10 @@ async def serve_generation(request: Request, fleet: Fleet, envelope: RequestEnve
     if first.error is not None:
         return formatter.error_response(error_from_info(first.error))
     _count_tokens(first, envelope)
-    return json_response(formatter.response(first))
+    body = formatter.response(first)
+    if formatter.include_timings:
+        body["timings"] = request_timings(first, envelope.arrival)
+    return json_response(body)
 
 
 class EventWriter:

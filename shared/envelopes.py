@@ -194,6 +194,9 @@ class GenerationChunk:
     system_fingerprint: str | None = None  # the engine's, on finishing chunks
     result: dict[str, Any] | None = None  # terminal only: a whole response that is not a generation (tokenize)
     prompt_token_ids: list[int] | None = None  # on the first delta, where the engine's server sends them (echo)
+    # Terminal only: the worker's stage times, seconds (queue_s, prefill_s, decode_s) and when it
+    # finished (finished_at, wall clock), for the gateway's per-request timings.
+    timings: dict[str, float] | None = None
 
     @property
     def is_delta_only(self) -> bool:

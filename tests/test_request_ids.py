@@ -105,3 +105,56 @@ def test_a_stream_is_timed_at_every_stage(fleet) -> None:
     grown = {key: after[key] - before[key] for key in series}
     # A gap between each pair of token events; at least one reply entry; one prefill and one decode.
     assert grown["itl"] == tokens - 1 and grown["relay"] >= 1 and (grown["prefill"], grown["decode"]) == (1, 1), grown
+
+
+PACED_MODEL = "timed-model"
+
+
+@pytest.fixture(scope="module")
+def paced(redis_url: str, fleet):
+    """A worker that takes 0.2 s to its first token, then 50 tokens a second."""
+    gateway, _ = fleet
+    worker = start_worker(redis_url, PACED_MODEL, "--scripted-first-token-delay", "0.2",
+                          "--scripted-tokens-per-second", "50")
+    wait_until_served(gateway, PACED_MODEL)
+    yield gateway, worker
+    worker.stop()
+
+
+def _histogram_sums(worker_url: str) -> dict[str, float]:
+    return {stage: metric_value(worker_url, f"llmfleet_worker_{name}_seconds_sum", model=PACED_MODEL)
+            for stage, name in (("queue_s", "queue"), ("prefill_s", "time_to_first_token"), ("decode_s", "decode"))}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_request_gets_its_own_stage_timings_and_they_agree_with_the_histograms(paced, stream) -> None:
+    gateway, worker = paced
+    before = _histogram_sums(worker.url)
+    body = {"model": PACED_MODEL, "messages": [{"role": "user", "content": "a b c d e f"}], "max_tokens": 6}
+    if stream:
+        body |= {"stream": True, "stream_options": {"include_timings": True}}
+        with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", json=body, timeout=30) as answer:
+            events = [json.loads(line[6:]) for line in answer.iter_lines() if line.startswith("data: {")]
+        assert [e for e in events[:-1] if "timings" in e] == [] and events[-1]["choices"] == []
+        timings = events[-1]["timings"]
+    else:
+        timings = httpx.post(f"{gateway.url}/v1/chat/completions", json=body | {"include_timings": True},
+                             timeout=30).json()["timings"]
+    observed = {stage: value - before[stage] for stage, value in _histogram_sums(worker.url).items()}
+    # The request's own times are the ones the worker's histograms observed (to the millisecond).
+    for stage, value in observed.items():
+        assert timings[stage] == pytest.approx(value, abs=0.002), (stage, timings, observed)
+    assert 0.19 <= timings["prefill_s"] < 1.0 and 0.08 <= timings["decode_s"] < 2.0  # 0.2 s, then 5 gaps of 20 ms
+    assert 0 <= timings["relay_s"] < 0.5
+    assert timings["total_s"] >= timings["queue_s"] + timings["prefill_s"] + timings["decode_s"]
+    assert timings["completion_tokens_per_s"] == pytest.approx(6 / timings["decode_s"])
+
+
+@pytest.mark.integration
+def test_timings_only_when_asked(fleet) -> None:
+    gateway, _ = fleet
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "a b"}], "max_tokens": 2}
+    assert "timings" not in httpx.post(f"{gateway.url}/v1/chat/completions", json=body, timeout=30).json()
+    streamed = httpx.post(f"{gateway.url}/v1/chat/completions", json=body | {"stream": True}, timeout=30).text
+    assert "timings" not in streamed

@@ -69,6 +69,7 @@ async def collect_candidates(chunks: AsyncIterator[GenerationChunk], n: int) -> 
                 done=True,
                 first_token=first_token,
                 usage=chunk.usage,
+                timings=chunk.timings,
                 error=chunk.error,
                 finish_reason=chunk.finish_reason,
                 candidates=[b.build(chunk.finish_reason) for b in builders],

@@ -252,6 +252,7 @@ class RequestConsumer:
         metrics.IN_FLIGHT.labels(self.model).set(self.in_flight)
         try:
             asked = time.monotonic()
+            queued = max(0.0, time.time() - request.arrival)
             lease, (stashed, streamed) = await asyncio.gather(
                 self._take_lease(keys=[keys.lease_key(request.request_id)], args=[self.worker_id, keys.LEASE_TTL_S]),
                 self.batched.pipeline(transaction=False)
@@ -268,7 +269,7 @@ class RequestConsumer:
         if reclaimed:
             metrics.RECLAIMED.labels(self.model).inc()
         else:
-            metrics.QUEUE_TIME.labels(self.model).observe(max(0.0, time.time() - request.arrival))
+            metrics.QUEUE_TIME.labels(self.model).observe(queued)
         terminal = self._refuse_unstarted(request, stashed, bool(streamed))
         if terminal is None:
             terminal = await self._generate(request)
@@ -277,6 +278,7 @@ class RequestConsumer:
         if self._cancel_requested.get(request.request_id) == "deadline":
             _mark_deadline(terminal)
         metrics.REQUESTS.labels(self.model, terminal.finish_reason or "unknown").inc()
+        terminal.timings = {**(terminal.timings or {}), "queue_s": queued, "finished_at": time.time()}
         log.debug("request %s finished", request.request_id, extra={"fields": {
             "finish_reason": terminal.finish_reason, "error": terminal.error.code if terminal.error else None,
             "completion_tokens": terminal.usage.completion_tokens if terminal.usage else None,
@@ -353,8 +355,8 @@ class RequestConsumer:
                     state.phase = "decode"
                     state.first_token_at = time.monotonic()
                     metrics.PREFILL_TIME.labels(self.model).observe(state.first_token_at - state.started)
-                if chunk.done and state.first_token_at:
-                    metrics.DECODE_TIME.labels(self.model).observe(time.monotonic() - state.first_token_at)
+                if chunk.done:
+                    chunk.timings = state.timings(self.model)
                 if request_id in self._cancel_requested and not state.reaborted:
                     # The abort may have reached the adapter before the engine knew the request.
                     state.reaborted = True
@@ -518,6 +520,14 @@ class _Progress:
     tokens_at_cancel: int | None = None
     cancel_sent_at: float = 0.0
     reaborted: bool = False
+
+    def timings(self, model: str) -> dict[str, float]:
+        """Prefill and decode times at the end of a generation, also observed in the histograms."""
+        now = time.monotonic()
+        if not self.first_token_at:  # nothing generated: it all was prefill
+            return {"prefill_s": now - self.started, "decode_s": 0.0}
+        metrics.DECODE_TIME.labels(model).observe(now - self.first_token_at)
+        return {"prefill_s": self.first_token_at - self.started, "decode_s": now - self.first_token_at}
 
 
 def _cancelled_terminal(request: RequestEnvelope) -> GenerationChunk:
