@@ -28,7 +28,7 @@ from gateway import streams
 from gateway.errors import error_body, json_response
 from gateway.fleet import Fleet
 from gateway.openai.response_store import ResponseStore, StoredResponse
-from gateway.protocol import MAX_STOP_STRINGS, FieldRuleError, OpenAIModel, check_sampling
+from gateway.protocol import FieldRuleError, OpenAIModel, check_sampling
 from gateway.serving import Formatter, new_envelope, request_json, serve_generation
 from shared.envelopes import Candidate, GenerationChunk, RequestEnvelope, SamplingOptions, ToolCallDelta, Usage
 from shared.errors import FleetError
@@ -108,8 +108,6 @@ class ResponsesRequest(OpenAIModel):
         for tool in self.tools:
             if tool.get("type") == "function" and not tool.get("name"):
                 raise FieldRuleError("a function tool needs a `name`", param="tools")
-        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS * 256:
-            raise FieldRuleError("too many stop sequences", param="stop")
         fmt = (self.text or {}).get("format") or {}
         if fmt.get("type") == "json_schema" and not isinstance(fmt.get("schema"), dict):
             raise FieldRuleError("text.format of type 'json_schema' needs a `schema` object", param="text.format")
