@@ -493,31 +493,15 @@ def not_found(response_id: str) -> Response:
                                     "invalid_request_error"), 404)
 
 
-async def _previous(store: ResponseStore, response_id: str | None) -> StoredResponse | None:
-    if response_id is None:
-        return None
-    previous = await store.get(response_id)
-    if previous is None:
-        raise _NotFound(response_id)
-    return previous
-
-
-class _NotFound(Exception):
-    def __init__(self, response_id: str):
-        super().__init__(response_id)
-        self.response_id = response_id
-
-
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     fleet: Fleet = request.app.state.fleet
     store = response_store(fleet)
     raw = await request_json(request)
     view = await fleet.registry.resolve(body.model)
-    try:
-        previous = await _previous(store, body.previous_response_id)
-    except _NotFound as exc:
-        return not_found(exc.response_id)
+    previous = await store.get(body.previous_response_id) if body.previous_response_id else None
+    if body.previous_response_id and previous is None:
+        return not_found(body.previous_response_id)
     history = conversation(body, previous)
     messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + history
     max_tokens = min(body.max_output_tokens, view.max_model_len) if body.max_output_tokens is not None else None
