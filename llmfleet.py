@@ -29,12 +29,17 @@ CACHE_DIR = Path(os.environ.get("LLMFLEET_CACHE_DIR", Path.home() / ".cache" / "
 @click.option("--log-format", default="text", type=click.Choice(["text", "json"]),
               help="text: one readable line per record; json: one JSON object per line (for log collectors). "
               "Either way each line about a request carries its id.")
-def main(log_level: str, log_format: str) -> None:
+@click.option("--otlp-endpoint", default="", help="Trace requests with OpenTelemetry, exporting OTLP/HTTP here "
+              "(e.g. http://collector:4318/v1/traces); off when empty. Needs the `otel` extra.")
+@click.option("--trace-file", default="", help="Also write each span as a JSON line to this file.")
+def main(log_level: str, log_format: str, otlp_endpoint: str, trace_file: str) -> None:
     """llmfleet: OpenAI-compatible serving from a fleet of vLLM workers behind Redis."""
     from shared import logs
 
     logs.setup(log_level, log_format)
-    os.environ["LLMFLEET_LOG_FORMAT"] = log_format  # the processes `up` starts log the same way
+    # What the processes `up` starts inherit; shared.tracing reads the last two.
+    os.environ.update(LLMFLEET_LOG_FORMAT=log_format, LLMFLEET_OTLP_ENDPOINT=otlp_endpoint,
+                      LLMFLEET_TRACE_FILE=trace_file)
 
 
 def _env(name: str) -> str:

@@ -24,6 +24,7 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import metrics
+from shared import tracing
 from shared.logs import REQUEST_ID
 
 access_log = logging.getLogger("gateway.access")
@@ -71,15 +72,34 @@ class CountResponses:
                 message = {**message, "headers": [*message.get("headers", ()), id_header]}
             await send(message)
 
+        span = tracing.start_request_span(f"{scope['method']} {scope['path']}", scope["headers"]) \
+            if tracing.enabled() else None
         try:
-            await self.app(scope, receive, noting_send)
+            if span is None:
+                await self.app(scope, receive, noting_send)
+            else:
+                with tracing.use(span):
+                    await self.app(scope, receive, noting_send)
         except BaseException:
             facts.setdefault("status", 500 if "sent_status" not in facts else 499)
             raise
         finally:
             _account(scope, facts, time.monotonic() - started)
+            if span is not None:
+                _end_span(span, facts, request_id)
             REQUEST_ID.reset(id_token)
             _facts.reset(token)
+
+
+def _end_span(span, facts: dict[str, Any], request_id: str) -> None:
+    span.set_attributes({key: value for key, value in {
+        "http.response.status_code": facts.get("status") or facts.get("sent_status"),
+        "llmfleet.model": facts.get("model"), "llmfleet.request_id": request_id,
+        "llmfleet.engine_request_id": facts.get("engine_request_id"), "llmfleet.worker": facts.get("worker"),
+        "llmfleet.completion_tokens": facts.get("completion_tokens")}.items() if value is not None})
+    if "arrival" in facts:
+        tracing.gateway_stages(span, facts["arrival"], facts.get("worker_timings"), time.time())
+    span.end()
 
 
 def _request_id(scope: Scope) -> str:

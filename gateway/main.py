@@ -22,6 +22,7 @@ from fastapi import FastAPI
 
 from gateway.app import create_app
 from gateway.fleet import GatewaySettings
+from shared import tracing
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,8 @@ class CloseWhenDraining:
 
 
 def serve(settings: GatewaySettings, host: str, port: int, log_level: str = "info") -> None:
+    if tracing.setup("llmfleet-gateway"):
+        log.info("tracing on (OpenTelemetry)")
     app = create_app(settings)
     # No X-Forwarded-* rewriting: nothing here reads the client address, and the middleware
     # would wrap every request and every SSE write.

@@ -36,6 +36,7 @@ from gateway.fleet import Fleet, GatewaySettings, Run
 from gateway.protocol import GenerationRequest
 from shared.envelopes import GenerationChunk, RequestEnvelope, SamplingOptions, Usage
 from shared.errors import FleetError, error_from_info
+from shared import tracing
 from shared.logs import REQUEST_ID
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -207,8 +208,8 @@ async def request_json(request: Request) -> dict[str, Any]:
 def new_envelope(raw: dict[str, Any], kind: str, model: str, settings: GatewaySettings, *,
                  body: GenerationRequest | None = None, params: SamplingOptions | None = None) -> RequestEnvelope:
     """The envelope of a validated request (`body`: its parsed form), with the gateway's deadlines."""
-    accounting.note(model=model)
     now = time.time()
+    accounting.note(model=model, arrival=now)
     timeout = settings.request_timeout_s
     if body is not None and body.timeout:
         timeout = min(body.timeout, timeout)
@@ -217,7 +218,7 @@ def new_envelope(raw: dict[str, Any], kind: str, model: str, settings: GatewaySe
         deadline=now + timeout, queue_deadline=now + min(settings.queue_timeout_s, timeout),
         stream=body is not None and body.stream, body=raw, params=params or SamplingOptions(),
         cancel_id=body.cancel_id if body is not None else None, batch_replies=True,
-        client_request_id=REQUEST_ID.get(),
+        client_request_id=REQUEST_ID.get(), traceparent=tracing.current_traceparent(),
     )
 
 
@@ -380,7 +381,8 @@ def record_first_token(chunk: GenerationChunk, envelope: RequestEnvelope) -> Non
 def _count_tokens(chunk: GenerationChunk, envelope: RequestEnvelope) -> None:
     if chunk.done and chunk.usage is not None:
         metrics.RELAYED_TOKENS.labels(envelope.model).inc(chunk.usage.completion_tokens)
-        accounting.note(prompt_tokens=chunk.usage.prompt_tokens, completion_tokens=chunk.usage.completion_tokens)
+        accounting.note(prompt_tokens=chunk.usage.prompt_tokens, completion_tokens=chunk.usage.completion_tokens,
+                        worker_timings=chunk.timings)
 
 
 def finish_run(run: Run, envelope: RequestEnvelope, formatter: Formatter, started: float,

@@ -111,6 +111,7 @@ class RequestEnvelope:
     queue_deadline: float = 0.0  # wall-clock seconds; a worker drops the request unstarted after it
     batch_replies: bool = False  # the gateway reads reply entries of several envelopes (keys.BATCH_FIELD)
     client_request_id: str = ""  # the HTTP request's X-Request-Id, on every log line about it (shared.logs)
+    traceparent: str = ""  # W3C trace context of the gateway's span when tracing is on (shared.tracing)
 
     def to_wire(self) -> dict[str, Any]:
         out = _compact(self)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
-from shared import keys
+from shared import keys, tracing
 from shared.codec import decode, encode
 from shared.envelopes import CancelNotice, Candidate, GenerationChunk, RequestEnvelope, Usage, WorkerInfo
 from shared.errors import EngineError, EnvelopeError, FleetError, ServiceUnavailable, WorkerLost
@@ -279,6 +279,10 @@ class RequestConsumer:
             _mark_deadline(terminal)
         metrics.REQUESTS.labels(self.model, terminal.finish_reason or "unknown").inc()
         terminal.timings = {**(terminal.timings or {}), "queue_s": queued, "finished_at": time.time()}
+        tracing.worker_generation(request.traceparent, terminal.timings, {
+            "llmfleet.model": self.model, "llmfleet.worker": self.worker_id, "llmfleet.request_id": request.request_id,
+            "llmfleet.finish_reason": terminal.finish_reason,
+            "llmfleet.completion_tokens": terminal.usage.completion_tokens if terminal.usage else None})
         log.debug("request %s finished", request.request_id, extra={"fields": {
             "finish_reason": terminal.finish_reason, "error": terminal.error.code if terminal.error else None,
             "completion_tokens": terminal.usage.completion_tokens if terminal.usage else None,

@@ -14,7 +14,7 @@ import signal
 from prometheus_client import start_http_server
 from redis.exceptions import RedisError
 
-from shared import redis_pool
+from shared import redis_pool, tracing
 from shared.stopping import within
 from worker.adapter import GenerationAdapter
 from worker.consumer import RequestConsumer, new_worker_id
@@ -29,6 +29,8 @@ REDIS_CLOSE_S = 2.0
 async def serve(adapter: GenerationAdapter, redis_url: str, max_concurrency: int, metrics_port: int = 0,
                 claim_idle_s: float = 3.0, kinds: tuple[str, ...] = ()) -> None:
     await adapter.start()
+    if tracing.setup("llmfleet-worker"):
+        log.info("tracing on (OpenTelemetry)")
     if metrics_port:
         start_http_server(metrics_port)
     # A handful of connections suffice: claims, cancels, replies, heartbeat, the batch of per-request commands.
