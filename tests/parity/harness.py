@@ -127,6 +127,7 @@ class Result:
     case: Case
     diffs: list[str]
     notes: list[str]
+    expected_status: int = 0  # what `vllm serve` answered
 
     @property
     def identical(self) -> bool:
@@ -156,7 +157,7 @@ def run_battery(servers: Servers, cases: list[Case] | None = None) -> list[Resul
                 notes.append("vllm accepted this request")
             if error_message(expected) != error_message(actual):
                 notes.append(f"messages: vllm {error_message(expected)!r} / llmfleet {error_message(actual)!r}")
-            results.append(Result(case, diffs, notes))
+            results.append(Result(case, diffs, notes, expected.status))
             sys.stderr.write(f"\rparity: {i}/{len(cases)}" + ("\n" if i == len(cases) else ""))
     return results
 
