@@ -10,6 +10,7 @@ from __future__ import annotations
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.anthropic import errors as anthropic_errors
 from gateway.errors import error_body
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -26,7 +27,7 @@ class BodySizeLimit:
             return
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._refuse(send)
+            await self._refuse(send, scope["path"])
             return
         received = 0
         refused = False
@@ -38,7 +39,7 @@ class BodySizeLimit:
                 received += len(message.get("body", b""))
                 if received > self.max_bytes and not refused:
                     refused = True
-                    await self._refuse(send)
+                    await self._refuse(send, scope["path"])
                     return {"type": "http.disconnect"}  # the app stops reading; its answer is dropped
             return message
 
@@ -48,9 +49,12 @@ class BodySizeLimit:
 
         await self.app(scope, counting_receive, guarded_send)
 
-    async def _refuse(self, send: Send) -> None:
-        body = orjson.dumps(error_body(f"Request body exceeds the {self.max_bytes}-byte limit.", 413,
-                                       err_type="RequestEntityTooLarge"))
+    async def _refuse(self, send: Send, path: str) -> None:
+        message = f"Request body exceeds the {self.max_bytes}-byte limit."
+        if anthropic_errors.owns(path):
+            body = orjson.dumps(anthropic_errors.error_body(message, 413))
+        else:
+            body = orjson.dumps(error_body(message, 413, err_type="RequestEntityTooLarge"))
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})

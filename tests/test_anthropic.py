@@ -220,6 +220,9 @@ def test_errors_have_anthropic_types(scripted_fleet):
     with pytest.raises(anthropic.NotFoundError):
         with client.messages.stream(model="no-such-model", max_tokens=5, messages=_user()) as stream:
             stream.get_final_message()
+    huge = httpx.post(f"{gateway.url}/v1/messages", content=b"x" * (5 * 1024 * 1024),
+                      headers={"content-type": "application/json"}, timeout=60)
+    assert huge.status_code == 413 and huge.json()["error"]["type"] == "request_too_large"
     # Other routes keep OpenAI's shape.
     response = httpx.post(f"{gateway.url}/v1/chat/completions", json={"model": "no-such-model", "messages": _user()})
     assert response.status_code == 404 and "type" in response.json()["error"]
