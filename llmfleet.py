@@ -19,7 +19,8 @@ from urllib.parse import urlparse
 
 import click
 
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+from gateway.settings import DEFAULT_REDIS_URL
+
 LOWEST_PRIORITY = 19  # the nice value of `llmfleet up`'s workers
 CACHE_DIR = Path(os.environ.get("LLMFLEET_CACHE_DIR", Path.home() / ".cache" / "llmfleet"))
 
@@ -71,46 +72,28 @@ def redis_options(command):
                   "redis+cluster://[:password@]host:port[,host:port...]")(merged)
 
 
+def gateway_options(command):
+    """An option per gateway setting (gateway/settings.py), with its default and help."""
+    from gateway.settings import options
+
+    for name, default, help_text in reversed(options()):
+        kind = str if isinstance(default, tuple) else type(default)
+        default = ",".join(default) if isinstance(default, tuple) else default
+        command = option(name, default=default, type=kind, help=help_text)(command)
+    return command
+
+
 @main.command()
 @option("host", default="0.0.0.0")
 @option("port", default=8000, type=int)
 @redis_options
-@option("request-timeout", default=600.0, type=float, help="Seconds before a request is abandoned (default and "
-        "cap of a request's `timeout`).")
-@option("queue-timeout", default=60.0, type=float, help="Seconds a request may wait for a worker before a 503.")
-@option("drain-grace", default=30.0, type=float, help="On SIGTERM, seconds open requests may take to finish.")
-@option("max-body-bytes", default=4 * 1024 * 1024, type=int, help="Larger request bodies get a 413.")
-@option("max-queue", default=1000, type=int, help="Waiting requests per model before new ones get a 429.")
-@option("max-open-requests", default=20000, type=int, help="Requests this gateway follows before a 429.")
-@option("max-buffered-chunks", default=1024, type=int, help="Reply batches held for a client that stopped "
-        "reading; past it the request is cancelled.")
-@option("models", default="", help="Comma-separated models served by workers that may be scaled to zero: "
-        "with no live worker, their requests queue (up to --queue-timeout) instead of getting a 404.")
-@option("resume-grace", default=30.0, type=float, help="Seconds a resumable stream runs on with no client "
-        "reading it, before it is cancelled.")
-@option("event-log-keep", default=600.0, type=float, help="Seconds a resumable stream's events stay "
-        "replayable after it ended.")
-@option("response-store-ttl", default=24 * 3600.0, type=float, help="Seconds a stored Response is kept.")
-@option("response-store-max-entries", default=10_000, type=int, help="Stored Responses kept at most; the "
-        "oldest go first.")
-@option("response-store-max-bytes", default=1024 * 1024, type=int, help="A larger Response is not stored.")
-def gateway(host: str, port: int, redis_url: str, request_timeout: float, queue_timeout: float,
-            drain_grace: float, max_body_bytes: int, max_queue: int, max_open_requests: int,
-            max_buffered_chunks: int, models: str, resume_grace: float, event_log_keep: float,
-            response_store_ttl: float, response_store_max_entries: int,
-            response_store_max_bytes: int) -> None:
+@gateway_options
+def gateway(host: str, port: int, redis_url: str, **values) -> None:
     """Run a gateway (HTTP API) process."""
-    from gateway.fleet import GatewaySettings
     from gateway.main import serve
+    from gateway.settings import from_options
 
-    settings = GatewaySettings(redis_url=redis_url, request_timeout_s=request_timeout, queue_timeout_s=queue_timeout,
-                               drain_grace_s=drain_grace, max_body_bytes=max_body_bytes, max_queue=max_queue,
-                               max_open_requests=max_open_requests, max_buffered_chunks=max_buffered_chunks,
-                               models=tuple(name.strip() for name in models.split(",") if name.strip()),
-                               resume_grace_s=resume_grace, event_log_keep_s=event_log_keep,
-                               response_store_ttl_s=response_store_ttl,
-                               response_store_max_entries=response_store_max_entries,
-                               response_store_max_bytes=response_store_max_bytes)
+    settings = from_options(redis_url, values)
     serve(settings, host, port,
           logging.getLevelName(logging.getLogger().level).lower())
 

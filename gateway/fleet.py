@@ -11,9 +11,7 @@ import asyncio
 import logging
 import math
 import time
-import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from redis.exceptions import RedisError
@@ -22,6 +20,7 @@ from gateway import metrics
 from gateway.cancel import CancelRegistry
 from gateway.registry import WorkerRegistry
 from gateway.relay import ReplyRouter
+from gateway.settings import GatewaySettings
 from shared import keys, redis_pool
 from shared.codec import encode
 from shared.envelopes import Candidate, ChunkEnvelope, GenerationChunk, RequestEnvelope, Usage
@@ -50,32 +49,6 @@ SILENCE_CHECK_S = 0.5  # how often a silent request checks its deadline and that
 STOP_GRACE_S = 2.0  # the cancels and unregistering of the last runs may take this long
 STOP_CANCEL_S = 2.0  # then what still runs is cancelled, and left behind after this
 REDIS_CLOSE_S = 2.0
-
-
-@dataclass(slots=True)
-class GatewaySettings:
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    request_timeout_s: float = 600.0  # default and cap of a request's `timeout`
-    queue_timeout_s: float = 60.0  # a request not started by then is dropped with a 503
-    drain_grace_s: float = 30.0  # on SIGTERM, how long open requests may finish
-    max_body_bytes: int = 4 * 1024 * 1024
-    max_queue: int = 1000  # requests waiting per model beyond what its workers run: past it, 429
-    max_open_requests: int = 20000  # requests one gateway process follows at once: past it, 429
-    max_buffered_chunks: int = 1024  # reply envelopes held for a client that stopped reading
-    gateway_id: str = ""
-    models: tuple[str, ...] = ()  # known before any worker serves them: their requests queue, not 404
-    # Resumable streams (gateway/streams.py): a run no client reads is cancelled after this grace;
-    # a response's events stay readable this long after it ended.
-    resume_grace_s: float = 30.0
-    event_log_keep_s: float = 600.0
-    # Stored Responses (gateway/openai/response_store.py): kept this long, at most this many, each at
-    # most this large; past the count the oldest go first.
-    response_store_ttl_s: float = 24 * 3600.0
-    response_store_max_entries: int = 10_000
-    response_store_max_bytes: int = 1024 * 1024
-
-    def __post_init__(self) -> None:
-        self.gateway_id = self.gateway_id or uuid.uuid4().hex[:12]
 
 
 class Run:

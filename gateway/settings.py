@@ -1,0 +1,68 @@
+"""A gateway's settings and their defaults, in one place: `llmfleet gateway` builds its options
+from these fields (`--request-timeout` sets `request_timeout_s`, each with the help given here),
+so a new setting needs one line here and nothing in the CLI.
+
+A field with `help` is an option named after it, less a `_s` suffix, with dashes; a tuple takes
+a comma-separated list. `redis_url` comes from the shared Redis options; `gateway_id` is made at
+start. Keep this module free of heavy imports: the CLI reads it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def setting(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(slots=True)
+class GatewaySettings:
+    redis_url: str = DEFAULT_REDIS_URL
+    request_timeout_s: float = setting(600.0, "Seconds before a request is abandoned (default and cap of a "
+                                       "request's `timeout`).")
+    queue_timeout_s: float = setting(60.0, "Seconds a request may wait for a worker before a 503.")
+    drain_grace_s: float = setting(30.0, "On SIGTERM, seconds open requests may take to finish.")
+    max_body_bytes: int = setting(4 * 1024 * 1024, "Larger request bodies get a 413.")
+    max_queue: int = setting(1000, "Waiting requests per model (beyond those running) before new ones get a 429.")
+    max_open_requests: int = setting(20000, "Requests this gateway follows at once before a 429.")
+    max_buffered_chunks: int = setting(1024, "Reply batches held for a client that stopped reading; past it "
+                                       "the request is cancelled.")
+    models: tuple[str, ...] = setting((), "Comma-separated models served by workers that may be scaled to zero: "
+                                      "with no live worker, their requests queue (up to --queue-timeout) "
+                                      "instead of getting a 404.")
+    resume_grace_s: float = setting(30.0, "Seconds a resumable stream runs on with no client reading it, before "
+                                    "it is cancelled.")
+    event_log_keep_s: float = setting(600.0, "Seconds a resumable stream's events stay replayable after it ended.")
+    response_store_ttl_s: float = setting(24 * 3600.0, "Seconds a stored Response is kept.")
+    response_store_max_entries: int = setting(10_000, "Stored Responses kept at most; the oldest go first.")
+    response_store_max_bytes: int = setting(1024 * 1024, "A larger Response is not stored.")
+    gateway_id: str = ""
+
+    def __post_init__(self) -> None:
+        self.gateway_id = self.gateway_id or uuid.uuid4().hex[:12]
+
+
+def option_name(name: str) -> str:
+    """The CLI option of a setting: `request_timeout_s` -> `request-timeout`."""
+    return name.removesuffix("_s").replace("_", "-")
+
+
+def options() -> list[tuple[str, Any, str]]:
+    """(option name, default, help) of every setting the CLI offers, in order."""
+    return [(option_name(f.name), f.default, f.metadata["help"]) for f in fields(GatewaySettings) if f.metadata]
+
+
+def from_options(redis_url: str, values: dict[str, Any]) -> GatewaySettings:
+    """The settings from the CLI's values, keyed by option name with underscores (click's)."""
+    chosen: dict[str, Any] = {"redis_url": redis_url}
+    for f in fields(GatewaySettings):
+        value = values.get(option_name(f.name).replace("-", "_"))
+        if f.metadata and value is not None:
+            chosen[f.name] = tuple(v.strip() for v in value.split(",") if v.strip()) \
+                if isinstance(f.default, tuple) else value
+    return GatewaySettings(**chosen)
