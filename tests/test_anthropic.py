@@ -220,6 +220,10 @@ def test_errors_have_anthropic_types(scripted_fleet):
     with pytest.raises(anthropic.NotFoundError):
         with client.messages.stream(model="no-such-model", max_tokens=5, messages=_user()) as stream:
             stream.get_final_message()
+    # Scripted workers do not tokenize: the fleet refuses the kind at once (its 503, Anthropic's 529).
+    with pytest.raises(anthropic.OverloadedError) as raised:
+        client.messages.count_tokens(model=SCRIPTED_MODEL, messages=_user())
+    assert "tokenize" in raised.value.body["error"]["message"]
     huge = httpx.post(f"{gateway.url}/v1/messages", content=b"x" * (5 * 1024 * 1024),
                       headers={"content-type": "application/json"}, timeout=60)
     assert huge.status_code == 413 and huge.json()["error"]["type"] == "request_too_large"

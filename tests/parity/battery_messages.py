@@ -158,9 +158,19 @@ def _block(block: dict[str, Any], partial_json: str | None = None) -> dict[str, 
     if kind == "thinking":
         return {"type": kind, "thinking": block.get("thinking"), "signed": bool(block.get("signature"))}
     if kind == "tool_use":
-        tool_input = json.loads(partial_json) if partial_json else block.get("input")
-        return {"type": kind, "name": block.get("name"), "input": tool_input, "has_id": bool(block.get("id"))}
+        return {"type": kind, "name": block.get("name"), "input": _tool_input(block, partial_json),
+                "has_id": bool(block.get("id"))}
     return {"type": kind}
+
+
+def _tool_input(block: dict[str, Any], partial_json: str | None) -> Any:
+    """The streamed input as parsed JSON, or as its text where it was cut short (max_tokens)."""
+    if not partial_json:
+        return block.get("input")
+    try:
+        return json.loads(partial_json)
+    except ValueError:
+        return {"unparsed": partial_json}
 
 
 def _message_view(body: dict[str, Any]) -> dict[str, Any]:
