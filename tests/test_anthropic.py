@@ -353,3 +353,29 @@ def test_thinking_blocks(tiny):
                for extra in ({}, {"thinking": {"type": "disabled"}})]
     assert counted == [message.usage.input_tokens, plain.usage.input_tokens]
     assert counted[1] > counted[0]  # the empty think block the template adds
+
+
+@pytest.mark.integration
+def test_an_error_mid_stream_is_an_error_event():
+    """A worker killed mid-stream: the stream ends with Anthropic's error event, no message_stop."""
+    redis = start_redis()  # its own: a killed worker's request is left behind here
+    worker = start_worker(redis.url, "paced", "--scripted-tokens-per-second", "10")
+    gateway = start_gateway(redis.url)
+    try:
+        wait_until_served(gateway, "paced")
+        body = {"model": "paced", "max_tokens": 200, "stream": True, "messages": _user()}
+        events = []
+        with httpx.stream("POST", f"{gateway.url}/v1/messages", json=body, timeout=60) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if line.startswith("event: "):
+                    events.append(line[7:])
+                    if line == "event: content_block_delta" and worker.alive():
+                        worker.kill()
+                elif line.startswith("data: ") and events[-1] == "error":
+                    error = json.loads(line[6:])
+        assert events[-1] == "error" and "message_stop" not in events
+        assert error["type"] == "error" and error["error"]["type"] == "api_error", error
+    finally:
+        for proc in (gateway, worker, redis):
+            proc.stop()
