@@ -2,19 +2,12 @@
 
 A worker pulls: it asks the consumer group for at most as many requests as it has free slots,
 so work lands where there is room and no router has to guess load. Each claimed request runs
-as its own task; its chunks go to the `ReplyPublisher`. Cancels arrive on the pub/sub channel
-and reach the adapter as `abort(request_id)`. Pub/sub is at most once: a notice sent while the
-subscription is down (Redis restarted, a network blip) is lost. The gateway also stashes every
-cancel as `cancelled:{request_id}`, so the worker checks its running requests' stashes after each
-(re)subscription and with every heartbeat: a lost notice still stops its run within two seconds.
-A heartbeat key tells the gateways what this worker serves and how busy it is.
-
-A running request is this worker's while it holds the request's lease, which the heartbeat
-renews. A worker cut off from Redis cannot renew it: once the lease may have lapsed (another
-worker can then take the request over), the worker aborts the request and publishes nothing more
-for it, neither its chunks nor its ending nor its acknowledgement. What it had already put on the
-wire can still land when the link comes back: every chunk carries its lease's fencing token, and
-gateways drop chunks of a lease older than one they have heard from.
+as its own task; its chunks go to the `ReplyPublisher`. Cancels reach it by pub/sub and their
+stashes (`worker/cancels.py`) and the adapter as `abort(request_id)`. A heartbeat key tells the
+gateways what this worker serves and how busy it is; the same beat renews the leases of the
+requests it runs (`worker/leases.py`) and looks for cancel notices that were lost. A request whose
+lease may have lapsed is aborted, and nothing more is published for it, neither its chunks nor
+its ending nor its acknowledgement.
 """
 
 from __future__ import annotations
@@ -33,7 +26,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from shared import keys, tracing
 from shared.codec import decode, encode
-from shared.envelopes import CancelNotice, Candidate, GenerationChunk, RequestEnvelope, Usage, WorkerInfo
+from shared.envelopes import Candidate, GenerationChunk, RequestEnvelope, Usage, WorkerInfo
 from shared.errors import EngineError, EnvelopeError, FleetError, ServiceUnavailable, WorkerLost
 from shared.logs import REQUEST_ID
 from shared.redis_batch import BatchedRedis
@@ -41,23 +34,14 @@ from shared.stopping import pause, stop_tasks, within
 from worker import metrics
 from worker.adapter import GenerationAdapter, choice_count
 from worker.aggregate import collect_candidates
+from worker.cancels import CancelFollower
+from worker.leases import Leases
 from worker.publisher import ReplyPublisher
 
 log = logging.getLogger(__name__)
 
 ABORT_GRACE_S = 2.0  # how long an aborted generation may take to yield its terminal chunk
 ENGINE_CHECK_S = 2.0  # how often the engine's health is checked
-LEASE_CHECK_S = 0.1  # how often leases are checked for renewals that did not come
-LEASE_MARGIN_S = 0.25  # a lease counts as lost this long before Redis could let it lapse
-
-# KEYS[1]: a request's lease; ARGV: worker id, TTL in seconds. Takes the lease if nobody holds it and
-# returns its fencing token, Redis's clock in microseconds; 0 if it is held. A later lease of the
-# request is taken on the same server after this one lapsed, so it gets a larger token.
-_TAKE_LEASE = """
-if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then return 0 end
-local now = redis.call('TIME')
-return tonumber(now[1]) * 1000000 + tonumber(now[2])
-"""
 DRAIN_REDIS_GRACE_S = 10.0  # a draining worker drops its replies once Redis has been away this long
 CLAIM_STOP_S = 2.0  # a claim blocks 1 s: past this, Redis hangs, and the claim is cancelled
 STOP_CANCEL_S = 2.0  # a cancelled loop that has not ended after this is left behind
@@ -96,11 +80,9 @@ class RequestConsumer:
         self._slot_freed = asyncio.Event()
         self._stop_claiming = asyncio.Event()  # `stop()`: claim nothing more
         self._stop_loops = asyncio.Event()  # the drain is over: heartbeat, cancels and leases end
-        self._take_lease = self.batched.register_script(_TAKE_LEASE)
-        # Request id -> when (monotonic) its lease may lapse, less LEASE_MARGIN_S: the last renewal
-        # Redis confirmed was sent LEASE_TTL_S before that. Only leases still held are here.
-        self._lease_until: dict[str, float] = {}
-        self._leases_lost: set[str] = set()
+        self.leases = Leases(self.batched, self.worker_id)
+        self.cancels = CancelFollower(redis, self.model, self._running, self._cancel_requested,
+                                      lambda rid, cause, sent_at: self._spawn(self.cancel(rid, cause, sent_at)))
 
     @property
     def in_flight(self) -> int:
@@ -112,8 +94,8 @@ class RequestConsumer:
         `run` raises its error once the rest has stopped."""
         await self._ensure_group()
         loops = [asyncio.create_task(job, name=job.__qualname__) for job in (
-            self.batched.run(), self.publisher.run(), self._heartbeat(), self._listen_for_cancels(),
-            self.reclaim_requests(), self._watch_engine(), self._watch_leases())]
+            self.batched.run(), self.publisher.run(), self._heartbeat(), self.cancels.listen(self._stop_loops),
+            self.reclaim_requests(), self._watch_engine(), self.leases.watch(self._stop_loops, self._lease_lost))]
         claiming = asyncio.create_task(self.claim_requests(), name="RequestConsumer.claim_requests")
         stop_requested = asyncio.create_task(self._stop_claiming.wait())
         try:
@@ -223,8 +205,7 @@ class RequestConsumer:
 
     def _finished(self, request_id: str) -> None:
         self._running.pop(request_id, None)
-        self._lease_until.pop(request_id, None)
-        self._leases_lost.discard(request_id)
+        self.leases.forget(request_id)
         self.publisher.release(request_id)
         self._cancel_requested.pop(request_id, None)
         metrics.IN_FLIGHT.labels(self.model).set(self.in_flight)
@@ -254,7 +235,7 @@ class RequestConsumer:
             asked = time.monotonic()
             queued = max(0.0, time.time() - request.arrival)
             lease, (stashed, streamed) = await asyncio.gather(
-                self._take_lease(keys=[keys.lease_key(request.request_id)], args=[self.worker_id, keys.LEASE_TTL_S]),
+                self.leases.take(request.request_id),
                 self.batched.pipeline(transaction=False)
                 .getdel(keys.cancelled_key(request.request_id))  # a cancel stashed while queued, consumed once
                 .exists(keys.streamed_key(request.request_id))
@@ -264,7 +245,7 @@ class RequestConsumer:
             return
         if not lease:
             return  # its worker is alive and holds the lease (and owns any cancel that came meanwhile)
-        self._lease_until[request.request_id] = asked + keys.LEASE_TTL_S - LEASE_MARGIN_S
+        self.leases.hold(request.request_id, asked)
         self.publisher.hold(request.request_id, lease)
         if reclaimed:
             metrics.RECLAIMED.labels(self.model).inc()
@@ -273,7 +254,7 @@ class RequestConsumer:
         terminal = self._refuse_unstarted(request, stashed, bool(streamed))
         if terminal is None:
             terminal = await self._generate(request)
-        if request.request_id in self._leases_lost:  # its answer is for the worker that took it over
+        if request.request_id in self.leases.lost:  # its answer is for the worker that took it over
             return
         if self._cancel_requested.get(request.request_id) == "deadline":
             _mark_deadline(terminal)
@@ -381,76 +362,9 @@ class RequestConsumer:
                  "%d tokens after it", request.request_id, stopped, latency * 1000,
                  state.tokens - state.tokens_at_cancel)
 
-    async def _listen_for_cancels(self) -> None:
-        """Follow the cancel channel, resubscribing after Redis comes back."""
-        while not self._stop_loops.is_set():
-            try:
-                await self._follow_cancels()  # ends only when cancelled, or when Redis fails
-            except RedisError as exc:
-                log.warning("cancel channel lost: %s; resubscribing", exc)
-                await pause(self._stop_loops, 0.5)
-
-    async def _follow_cancels(self) -> None:
-        pubsub = self.redis.pubsub()
-        await pubsub.subscribe(keys.CANCEL_CHANNEL)
-        try:
-            async for message in pubsub.listen():
-                if message.get("type") == "subscribe":  # at start, and each time redis-py reconnects
-                    # Notices sent while the subscription was down are gone: catch up from the stashes.
-                    self._cancel_missed(await self._stashed_cancels(self.redis.pipeline(transaction=False)))
-                    continue
-                if message.get("type") != "message":
-                    continue
-                try:
-                    notice = decode(CancelNotice, message["data"])
-                except EnvelopeError as exc:
-                    log.warning("ignoring malformed cancel notice: %s", exc)
-                    continue
-                for request_id in notice.request_ids:
-                    if request_id in self._running:
-                        self._spawn(self.cancel(request_id, notice.reason, notice.sent_at))
-        finally:
-            await pubsub.aclose()
-
-    def _renewed(self, request_ids: list[str], sent: float) -> None:
-        """Redis confirmed the renewals sent at `sent`: those leases hold until LEASE_TTL_S after it."""
-        for request_id in request_ids:
-            if request_id in self._lease_until:  # not lost meanwhile: a late renewal revives nothing
-                self._lease_until[request_id] = max(self._lease_until[request_id],
-                                                    sent + keys.LEASE_TTL_S - LEASE_MARGIN_S)
-
-    async def _watch_leases(self) -> None:
-        """Give up each running request whose lease may lapse: Redis has not confirmed a renewal
-        (this worker is cut off from it, or it is down) for nearly LEASE_TTL_S."""
-        while not await pause(self._stop_loops, LEASE_CHECK_S):
-            now = time.monotonic()
-            for request_id in [rid for rid, until in self._lease_until.items() if now >= until]:
-                del self._lease_until[request_id]
-                self._leases_lost.add(request_id)
-                self.publisher.drop(request_id)
-                log.warning("request %s: no lease renewal reached Redis for %.1fs; another worker may take it "
-                            "over: aborting it here, publishing nothing more for it", request_id,
-                            keys.LEASE_TTL_S - LEASE_MARGIN_S)
-                self._spawn(self.cancel(request_id, "lease_lost"))
-
-    async def _stashed_cancels(self, pipe) -> dict[str, str]:
-        """Run `pipe` with a GET of each running request's cancel stash added; the causes of the
-        stashed cancels that have not reached their request, by request id."""
-        running = list(self._running)
-        for request_id in running:
-            pipe.get(keys.cancelled_key(request_id))
-        replies = await pipe.execute()
-        stashes = replies[len(replies) - len(running):]
-        return {request_id: cause.decode() for request_id, cause in zip(running, stashes, strict=True)
-                if cause is not None and request_id not in self._cancel_requested}
-
-    def _cancel_missed(self, missed: dict[str, str]) -> None:
-        """Cancel running requests whose cancel notice never came (it was stashed, not received)."""
-        for request_id, cause in missed.items():
-            if request_id in self._running and request_id not in self._cancel_requested:
-                log.warning("request %s: its cancel notice was lost; cancelling it from the stash", request_id)
-                metrics.CANCELS_FROM_STASH.labels(self.model).inc()
-                self._spawn(self.cancel(request_id, cause))
+    def _lease_lost(self, request_id: str) -> None:
+        self.publisher.drop(request_id)
+        self._spawn(self.cancel(request_id, "lease_lost"))
 
     async def cancel(self, request_id: str, cause: str, sent_at: float = 0.0) -> None:
         """Abort a running request; force it if the adapter does not end it in time."""
@@ -480,17 +394,16 @@ class RequestConsumer:
             pipe = (self.redis.pipeline(transaction=False)
                     .set(keys.worker_key(self.worker_id), encode(info), ex=keys.HEARTBEAT_TTL_S)
                     .set(keys.model_key(self.model), b"1", ex=keys.MODEL_MEMORY_TTL_S))
-            renewing, sent = list(self._lease_until), time.monotonic()
-            for request_id in renewing:
-                pipe.expire(keys.lease_key(request_id), keys.LEASE_TTL_S)
+            renewals = self.leases.renew(pipe)
+            sent = renewals[1]
             try:
-                stashed = await self._stashed_cancels(pipe)
-                self._renewed(renewing, sent)
+                stashed = await self.cancels.stashed(pipe)
+                self.leases.renewed(renewals)
             except RedisError as exc:
                 log.warning("heartbeat failed: %s", exc)
                 stashed = {}
             # A stash seen by two heartbeats in a row had a second for its notice to arrive: it was lost.
-            self._cancel_missed({rid: cause for rid, cause in stashed.items() if rid in stashed_before})
+            self.cancels.cancel_missed({rid: cause for rid, cause in stashed.items() if rid in stashed_before})
             stashed_before = stashed
             # One beat per interval, counted from when this one was sent: a slow Redis delays the next
             # renewal by no more than it has to, so the leases do not look lost sooner than they are.
