@@ -151,7 +151,7 @@ class MessagesFormatter(Formatter):
     named_events = True
     done_marker = None
 
-    def __init__(self, envelope: RequestEnvelope):  # noqa: D107 - see the class docstring
+    def __init__(self, envelope: RequestEnvelope):
         self.response_id = f"msg_{envelope.request_id}"
         self.created = int(envelope.arrival)
         self.model = envelope.model
