@@ -353,10 +353,12 @@ async def _follow_log(fleet: Fleet, events: EventLog, response_id: str, after: i
             return  # expired unended: the gateway relaying it died
 
 
-async def serve_resumable(request: Request, fleet: Fleet, envelope: RequestEnvelope,
-                          formatter: Formatter) -> Response:
-    """A streaming request that survives its client: run it detached and relay it from here."""
-    run = DetachedRun(fleet, envelope, formatter, reader_grace_s=fleet.settings.resume_grace_s)
+async def serve_resumable(request: Request, fleet: Fleet, envelope: RequestEnvelope, formatter: Formatter, *,
+                          on_terminal: OnTerminal | None = None) -> Response:
+    """A streaming request that survives its client: run it detached and relay it from here.
+    `on_terminal`: as `run_detached`'s, awaited at the run's end whether its client still reads."""
+    run = DetachedRun(fleet, envelope, formatter, on_terminal=on_terminal,
+                      reader_grace_s=fleet.settings.resume_grace_s)
     listener = run.listen()
     await run.start()
     try:

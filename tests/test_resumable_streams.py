@@ -246,3 +246,73 @@ def test_a_stopping_gateway_ends_its_detached_runs(redis_url, gateways, model):
     wait_for(lambda: _cancels(worker, cause="disconnect") == 1, 10, "the worker to stop the run")
     rest = _resume(gateways[0].url, _data(first[0])["id"], last_event_id=1)
     assert _data(rest[-1]) == "[DONE]" and _data(rest[-2])["error"]["code"] == 503
+
+
+# --- the other families: Anthropic Messages and OpenAI Responses --------------------------------
+
+def _named_data(frame: bytes) -> dict:
+    """The JSON of a named event (`event: ...\\ndata: {...}\\nid: n`)."""
+    return json.loads(re.search(rb"^data: (.*)$", frame, re.M).group(1))
+
+
+def _cut_and_resumed(gateways, path: str, body: dict, count: int) -> list[bytes]:
+    """Start `body` on gateway 0, hang up after `count` frames, resume on gateway 1 after them."""
+    with httpx.stream("POST", f"{gateways[0].url}{path}", json=body, timeout=30) as response:
+        assert response.status_code == 200, response.read()
+        frames = _frames(response)
+        first = [next(frames) for _ in range(count)]
+    response_id = _named_data(first[0])[{"/v1/messages": "message", "/v1/responses": "response"}[path]]["id"]
+    rest = _resume(gateways[1].url, response_id, last_event_id=count - 1)
+    resumed = first + rest
+    assert [_id(f) for f in resumed] == list(range(len(resumed)))
+    assert b"".join(_resume(gateways[0].url, response_id)) == b"".join(resumed)  # the whole log, replayed
+    return resumed
+
+
+def _uninterrupted(gateways, path: str, body: dict) -> list[bytes]:
+    with httpx.stream("POST", f"{gateways[1].url}{path}", json={**body, "resumable": False}, timeout=30) as response:
+        assert response.status_code == 200, response.read()
+        return list(_frames(response))
+
+
+def _same_but_ids(a: list[bytes], b: list[bytes], response_id_of) -> None:
+    """Equal byte for byte once each response's own ids and times are blanked out."""
+    def normalized(frames: list[bytes]) -> bytes:
+        text = b"".join(frames).replace(response_id_of(frames).encode(), b"ID")
+        text = re.sub(rb'"created_at":\d+', b'"created_at":0', text)
+        return re.sub(rb'"(msg|rs|fc|call)_[0-9a-f]{32}"', rb'"\1_X"', text)
+
+    assert normalized(a) == normalized(b)
+
+
+def test_an_anthropic_message_stream_is_resumed_on_the_other_replica(gateways, model):
+    name, worker = model
+    body = {"model": name, "max_tokens": 30, "stream": True, "resumable": True,
+            "messages": [{"role": "user", "content": "one two three four five"}]}
+    resumed = _cut_and_resumed(gateways, "/v1/messages", body, 5)
+    kinds = [_named_data(f)["type"] for f in resumed]
+    assert kinds[:2] == ["message_start", "ping"] and kinds[-2:] == ["message_delta", "message_stop"]
+    assert _named_data(resumed[-2])["delta"]["stop_reason"] == "max_tokens"
+    _same_but_ids(_uninterrupted(gateways, "/v1/messages", body), resumed,
+                  lambda frames: _named_data(frames[0])["message"]["id"])
+    assert _cancels(worker) == 0
+    answer = httpx.post(f"{gateways[0].url}/v1/messages", json={**body, "stream": False})
+    assert answer.status_code == 400 and answer.json()["type"] == "error"
+
+
+def test_a_responses_stream_is_resumed_on_the_other_replica(gateways, model):
+    name, worker = model
+    body = {"model": name, "input": "one two three four five", "max_output_tokens": 30, "stream": True,
+            "resumable": True}
+    resumed = _cut_and_resumed(gateways, "/v1/responses", body, 5)
+    final = _named_data(resumed[-1])
+    assert final["type"] == "response.incomplete" and [_named_data(f)["sequence_number"] for f in resumed] == \
+        [_id(f) for f in resumed]
+    _same_but_ids(_uninterrupted(gateways, "/v1/responses", body), resumed,
+                  lambda frames: _named_data(frames[0])["response"]["id"])
+    assert _cancels(worker) == 0
+    # The run stored its end although its first client had gone: any replica retrieves it.
+    stored = httpx.get(f"{gateways[0].url}/v1/responses/{final['response']['id']}").json()
+    assert stored["status"] == "incomplete" and stored["output"] == final["response"]["output"]
+    answer = httpx.post(f"{gateways[0].url}/v1/responses", json={**body, "stream": False})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "resumable"

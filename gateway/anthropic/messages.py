@@ -244,7 +244,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     fleet = request.app.state.fleet
     view = await fleet.registry.resolve(body.model)
     envelope = messages_envelope(body, view.name, view.max_model_len, fleet.settings)
-    return await serve_generation(request, fleet, envelope, MessagesFormatter(envelope))
+    return await serve_generation(request, fleet, envelope, MessagesFormatter(envelope), resumable=body.resumable)
 
 
 @router.post("/v1/messages/count_tokens")

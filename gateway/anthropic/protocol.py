@@ -161,6 +161,7 @@ class MessagesRequest(PromptFields):
     # llmfleet extensions, as on chat: a key for POST /v1/cancel, and a deadline of the client's own.
     cancel_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     timeout: Annotated[float, Field(gt=0)] | None = None
+    resumable: bool = False  # an extension: the stream survives its client (gateway/streams.py)
 
     @field_validator("max_tokens")
     @classmethod
@@ -174,6 +175,8 @@ class MessagesRequest(PromptFields):
         thinking = self.thinking
         if thinking is not None and thinking.type == "enabled" and thinking.budget_tokens >= self.max_tokens:
             raise FieldRuleError("thinking.budget_tokens must be less than max_tokens", param="thinking")
+        if self.resumable and not self.stream:
+            raise FieldRuleError("`resumable` needs `stream: true`: only a stream can be resumed.", param="resumable")
         return self
 
     def sampling_options(self) -> SamplingOptions:

@@ -75,6 +75,7 @@ class ResponsesRequest(OpenAIModel):
     chat_template_kwargs: dict[str, Any] | None = None
     cancel_id: str | None = Field(default=None, min_length=1, max_length=256)
     timeout: float | None = Field(default=None, gt=0)  # seconds; capped by the gateway's limit
+    resumable: bool = False  # an extension: the stream survives its client (gateway/streams.py)
 
     @model_validator(mode="before")
     @classmethod
@@ -111,6 +112,8 @@ class ResponsesRequest(OpenAIModel):
         fmt = (self.text or {}).get("format") or {}
         if fmt.get("type") == "json_schema" and not isinstance(fmt.get("schema"), dict):
             raise FieldRuleError("text.format of type 'json_schema' needs a `schema` object", param="text.format")
+        if self.resumable and not self.stream:
+            raise FieldRuleError("`resumable` needs `stream: true`: only a stream can be resumed.", param="resumable")
         return self
 
 
@@ -516,7 +519,11 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     formatter = ResponsesFormatter(body, envelope, view.max_model_len)
     if body.background:
         return await _start_background(fleet, store, envelope, formatter, history)
-    answer = await serve_generation(request, fleet, envelope, formatter)
+    if body.resumable:  # runs on without its client, so the run itself stores its end
+        on_terminal = _store_end(store, formatter, history) if body.store else None
+        answer = await streams.serve_resumable(request, fleet, envelope, formatter, on_terminal=on_terminal)
+    else:
+        answer = await serve_generation(request, fleet, envelope, formatter)
     if not body.store:
         return answer
     if isinstance(answer, StreamingResponse):
@@ -545,21 +552,26 @@ async def _start_background(fleet: Fleet, store: ResponseStore, envelope: Reques
     for `stream` the events as they come. Its end is stored by the run, whoever listens."""
     queued = formatter.response_object("queued", [])
     await store.save(queued, history)
-
-    async def store_end(_terminal: GenerationChunk | None, error: FleetError | None) -> None:
-        final = formatter.final  # None when the run ended before any event (a refusal)
-        if final is None:
-            final = formatter.response_object("failed" if error else "cancelled", formatter.output, None, error)
-        await store.save(final, history)
-
     try:
-        await streams.run_detached(fleet, envelope, formatter, on_terminal=store_end)
+        await streams.run_detached(fleet, envelope, formatter, on_terminal=_store_end(store, formatter, history))
     except FleetError as exc:  # not queued (429, 503): the response never existed
         await store.delete(queued["id"])
         return formatter.error_response(exc)
     if formatter.body.stream:
         return StreamingResponse(await streams.follow(fleet, queued["id"], None), media_type="text/event-stream")
     return json_response(queued)
+
+
+def _store_end(store: ResponseStore, formatter: ResponsesFormatter,
+               history: list[dict[str, Any]]) -> streams.OnTerminal:
+    """What a detached run (background, resumable) does at its end: store the final Response."""
+    async def store_end(_terminal: GenerationChunk | None, error: FleetError | None) -> None:
+        final = formatter.final  # None when the run ended before any event (a refusal)
+        if final is None:
+            final = formatter.response_object("failed" if error else "cancelled", formatter.output, None, error)
+        await store.save(final, history)
+
+    return store_end
 
 
 @router.get("/v1/responses/{response_id}")
