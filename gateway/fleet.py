@@ -21,7 +21,7 @@ from gateway.cancel import CancelRegistry
 from gateway.registry import WorkerRegistry
 from gateway.relay import ReplyRouter
 from gateway.settings import GatewaySettings
-from shared import keys, redis_pool
+from shared import fair_queue, redis_pool
 from shared.codec import encode
 from shared.envelopes import Candidate, ChunkEnvelope, GenerationChunk, RequestEnvelope, Usage
 from shared.errors import Overloaded, ServiceUnavailable, WorkerLost, error_from_info
@@ -32,14 +32,6 @@ if TYPE_CHECKING:
     from gateway.streams import DetachedRun
 
 log = logging.getLogger(__name__)
-
-# KEYS: request stream; ARGV: depth limit, maxlen, field, envelope. Returns {accepted, depth}.
-_ENQUEUE = """
-local depth = redis.call('XLEN', KEYS[1])
-if depth >= tonumber(ARGV[1]) then return {0, depth} end
-redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', ARGV[3], ARGV[4])
-return {1, depth}
-"""
 
 DEADLINE_GRACE_S = 5.0
 REDIS_CONNECTIONS = 200  # per gateway process; the reply reader and registry hold a few of them
@@ -164,7 +156,7 @@ class Fleet:
         # its answer is, or a cancel sent right after the answer would still find the run.
         self.batched = BatchedRedis(self.redis)
         self.cancels = CancelRegistry(self.redis, settings.gateway_id)
-        self._enqueue_script = self.batched.register_script(_ENQUEUE)
+        self._enqueue_script = self.batched.register_script(fair_queue.ENQUEUE)
         self.draining = False
         self._loops: list[asyncio.Task] = []
         self._tasks: set[asyncio.Task] = set()  # one-off jobs: the unregistering of runs, cancels
@@ -242,14 +234,15 @@ class Fleet:
         self._spawn(self.cancels.cancel_requests([request_id], "slow_client"))
 
     async def _enqueue(self, envelope: RequestEnvelope) -> None:
-        """XADD unless the model's queue is full (one script: the check and the add are atomic)."""
+        """XADD unless the model's queue is full (one script: the check and the add are atomic). A
+        tenant's request, with fair share on, is a ticket, its envelope in the tenant's queue."""
         # The stream holds every unanswered request: those the workers' slots can run, then the queue.
         view = self.registry.models.get(envelope.model)
         slots = view.capacity if view else 0
+        tenant = envelope.tenant if self.settings.fair_share else ""
         accepted, depth = await self._enqueue_script(
-            keys=[keys.request_stream(envelope.model)],
-            args=[self.settings.max_queue + slots, keys.REQUEST_STREAM_MAXLEN, keys.ENVELOPE_FIELD,
-                  encode(envelope)])
+            keys=fair_queue.enqueue_keys(envelope.model, tenant, envelope.priority),
+            args=fair_queue.enqueue_args(self.settings.max_queue + slots, encode(envelope), bool(tenant)))
         if not accepted:
             backlog = max(1, depth - slots)
             rate = view.drain_rate if view else 0.0

@@ -30,7 +30,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from gateway import accounting, metrics
+from gateway import accounting, metrics, tenancy
 from gateway.errors import fleet_error_body, fleet_error_response, json_response
 from gateway.fleet import Fleet, GatewaySettings, Run
 from gateway.protocol import GenerationRequest
@@ -219,6 +219,7 @@ def new_envelope(raw: dict[str, Any], kind: str, model: str, settings: GatewaySe
         stream=body is not None and body.stream, body=raw, params=params or SamplingOptions(),
         cancel_id=body.cancel_id if body is not None else None, batch_replies=True,
         client_request_id=REQUEST_ID.get(), traceparent=tracing.current_traceparent(),
+        tenant=tenancy.current().name, priority=tenancy.current().priority,
     )
 
 

@@ -41,6 +41,8 @@ class GatewaySettings:
     response_store_ttl_s: float = setting(24 * 3600.0, "Seconds a stored Response is kept.")
     response_store_max_entries: int = setting(10_000, "Stored Responses kept at most; the oldest go first.")
     response_store_max_bytes: int = setting(1024 * 1024, "A larger Response is not stored.")
+    fair_share: bool = setting(True, "Serve the tenants (API keys) of one priority in turn when a model's queue is "
+                               "contended; false: in arrival order.")
     gateway_id: str = ""
 
     def __post_init__(self) -> None:

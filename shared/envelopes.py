@@ -112,6 +112,10 @@ class RequestEnvelope:
     batch_replies: bool = False  # the gateway reads reply entries of several envelopes (keys.BATCH_FIELD)
     client_request_id: str = ""  # the HTTP request's X-Request-Id, on every log line about it (shared.logs)
     traceparent: str = ""  # W3C trace context of the gateway's span when tracing is on (shared.tracing)
+    # Who the request is for (gateway.tenancy): the API key's name ("" when keys are off) and its
+    # priority, "high", "normal" or "low"; a tenant's request waits in its queue (shared.fair_queue).
+    tenant: str = ""
+    priority: str = "normal"
 
     def to_wire(self) -> dict[str, Any]:
         out = _compact(self)

@@ -44,9 +44,20 @@ part of the name. `<...>` is a placeholder.
 | llmfleet:responses:{stored}          | zset    | TTL: the store's TTL, refreshed; at most |
 |                                      |         | the store's max entries (oldest evicted, |
 |                                      |         | with their hashes)                       |
+| llmfleet:queue:{<model>}:<priority>: | list    | TTL FAIR_QUEUE_TTL_S, refreshed; one     |
+|   <tenant>                           |         | envelope per ticket in the request stream|
+|                                      |         | (so at most its length): a tenant's      |
+|                                      |         | waiting requests (shared/fair_queue.py)  |
+| llmfleet:turns:{<model>}:<priority>  | list    | TTL FAIR_QUEUE_TTL_S, refreshed; the     |
+|                                      |         | tenant queues not empty, each once       |
+| llmfleet:bound:{<model>}             | hash    | TTL FAIR_QUEUE_TTL_S, refreshed; ticket  |
+|                                      |         | -> envelope while claimed, HDEL'd with   |
+|                                      |         | the ticket's XACK (at most its pending)  |
 
 The keys that share a slot, and the operation that needs it:
-- `{<model>}`: a poison entry's XADD to the dead letters, XACK and XDEL, in order on one node.
+- `{<model>}`: a poison entry's XADD to the dead letters, XACK and XDEL, in order on one node;
+  the fair-share scripts (`shared/fair_queue.py`), which add a ticket and queue its envelope, and
+  bind a claimed ticket to the envelope whose turn it is, in one step.
 - `{<request_id>}`: the worker's lease/cancel-stash/streamed check, and the one DEL of all three
   when the request ends.
 - `{<cancel_id>}`: the register, finish and cancel-by-id scripts (`gateway/cancel.py`).
@@ -83,6 +94,10 @@ ENVELOPE_FIELD = b"e"  # a stream entry's one envelope
 # per gateway per publish, not one per request. Only for gateways that asked for it
 # (`RequestEnvelope.batch_replies`), so gateways older than it keep getting one envelope per entry.
 BATCH_FIELD = b"b"
+# A request stream entry that stands for one request of a tenant's queue, bound to the request
+# whose turn it is when a worker claims it (shared/fair_queue.py).
+TICKET_FIELD = b"t"
+FAIR_QUEUE_TTL_S = 24 * 3600  # of the tenant queues, turns and bindings; refreshed by every write
 
 
 def _tag(value: str) -> str:
@@ -157,3 +172,15 @@ def event_log_key(response_id: str) -> str:
 
 def stream_reader_key(response_id: str) -> str:
     return f"{PREFIX}:reader:{_tag(response_id)}"
+
+
+def tenant_queue(model: str, priority: str, tenant: str) -> str:
+    return f"{PREFIX}:queue:{_tag(model)}:{priority}:{tenant}"
+
+
+def tenant_turns(model: str, priority: str) -> str:
+    return f"{PREFIX}:turns:{_tag(model)}:{priority}"
+
+
+def bound_requests(model: str) -> str:
+    return f"{PREFIX}:bound:{_tag(model)}"

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
-from shared import keys, tracing
+from shared import fair_queue, keys, tracing
 from shared.codec import decode, encode
 from shared.envelopes import Candidate, GenerationChunk, RequestEnvelope, Usage, WorkerInfo
 from shared.errors import EngineError, EnvelopeError, FleetError, ServiceUnavailable, WorkerLost
@@ -68,6 +68,7 @@ class RequestConsumer:
         self.claim_idle_s = claim_idle_s
         self.worker_id = worker_id or new_worker_id()
         self.stream = keys.request_stream(self.model)
+        self._bind = redis.register_script(fair_queue.BIND)
         self.publisher = ReplyPublisher(redis, self.worker_id)
         self.started = time.time()
         self.completed = 0
@@ -165,8 +166,7 @@ class RequestConsumer:
                         await self._ensure_group()
                 continue
             for _stream, entries in replies or ():
-                for entry_id, fields in entries:
-                    self._start(entry_id.decode(), fields.get(keys.ENVELOPE_FIELD, b""))
+                await self._start_entries(entries)
 
     async def reclaim_requests(self) -> None:
         """Take over requests whose worker died: pending entries idle past `claim_idle_s`.
@@ -185,9 +185,37 @@ class RequestConsumer:
             except RedisError as exc:
                 log.warning("reclaiming requests failed: %s", exc)
                 continue
-            for entry_id, fields in entries:
-                if fields is not None:
-                    self._start(entry_id.decode(), fields.get(keys.ENVELOPE_FIELD, b""), reclaimed=True)
+            await self._start_entries(entries, reclaimed=True)
+
+    async def _start_entries(self, entries, reclaimed: bool = False) -> None:
+        """Start each claimed entry's request: the envelope it carries, or for a fair-share ticket
+        the envelope bound to it (`shared.fair_queue`). A ticket that could not be bound stays
+        pending on this worker, and is reclaimed from it like a dead worker's."""
+        tickets = []
+        for entry_id, fields in entries:
+            if fields is None:  # deleted since (XAUTOCLAIM still names it)
+                continue
+            if keys.TICKET_FIELD in fields:
+                tickets.append(entry_id.decode())
+            else:
+                self._start(entry_id.decode(), fields.get(keys.ENVELOPE_FIELD, b""), reclaimed)
+        if not tickets:
+            return
+        try:
+            bound = await self._bind(keys=fair_queue.bind_keys(self.model), args=[keys.FAIR_QUEUE_TTL_S, *tickets])
+        except RedisError as exc:
+            log.warning("binding %d claimed tickets failed: %s", len(tickets), exc)
+            return
+        for ticket, data in zip(tickets, bound, strict=True):
+            if data:
+                self._start(ticket, data, reclaimed)
+            else:  # its request is gone (its queue expired): nothing to answer
+                self._spawn(self._drop_entry(ticket))
+
+    async def _drop_entry(self, entry_id: str) -> None:
+        with contextlib.suppress(RedisError):
+            await (self.batched.pipeline(transaction=False).xack(self.stream, keys.WORKER_GROUP, entry_id)
+                   .xdel(self.stream, entry_id).execute())
 
     def _start(self, entry_id: str, data: bytes, reclaimed: bool = False) -> None:
         try:
@@ -221,6 +249,7 @@ class RequestConsumer:
                          approximate=True)
                    .xack(self.stream, keys.WORKER_GROUP, entry_id)
                    .xdel(self.stream, entry_id)
+                   .hdel(keys.bound_requests(self.model), entry_id)  # if a ticket's
                    .execute())
 
     def _spawn(self, job) -> None:
@@ -271,7 +300,10 @@ class RequestConsumer:
         if terminal.usage is not None:
             metrics.GENERATED_TOKENS.labels(self.model).inc(terminal.usage.completion_tokens)
         self.completed += 1
-        flushed = self.publisher.finish(request, terminal, (self.stream, entry_id, request.request_id))
+        ack = (self.stream, entry_id, request.request_id)
+        if request.tenant:  # perhaps a ticket's (shared.fair_queue): its binding goes with it
+            ack += (keys.bound_requests(self.model),)
+        flushed = self.publisher.finish(request, terminal, ack)
         await asyncio.shield(flushed)
 
     def _refuse_unstarted(self, request: RequestEnvelope, stashed: bytes | None,

@@ -41,7 +41,8 @@ class _Outbox:
     request_id: str
     batch: bool  # its gateway reads entries of several envelopes
     chunks: list[GenerationChunk] = field(default_factory=list)
-    ack: tuple[str, str, str] | None = None  # (request stream, entry id, request id) once terminal
+    # (request stream, entry id, request id[, the bindings of a fair-share ticket]) once terminal
+    ack: tuple[str, ...] | None = None
     flushed: asyncio.Future | None = None
     lease: int = 0  # the fencing token of this worker's lease on the request
 
@@ -144,7 +145,7 @@ class ReplyPublisher:
         self._wake.set()
 
     def finish(self, request: RequestEnvelope, terminal: GenerationChunk,
-               ack: tuple[str, str, str] | None) -> asyncio.Future:
+               ack: tuple[str, ...] | None) -> asyncio.Future:
         """Queue the terminal chunk; the future resolves once it (and the ack) is in Redis."""
         if request.request_id in self._dropped:  # its ending and its ack are the new owner's
             nothing = asyncio.get_running_loop().create_future()
@@ -205,7 +206,7 @@ class ReplyPublisher:
                 outbox.flushed.set_result(None)
 
     async def _write(self, entries: list[_Entry], first_outputs: list[str],
-                     acks: list[tuple[str, str, str]]) -> None:
+                     acks: list[tuple[str, ...]]) -> None:
         """The entries, then what the requests' first outputs and endings change.
 
         A request's entry is in its stream before its request is acknowledged. One server runs a
@@ -220,9 +221,11 @@ class ReplyPublisher:
                 pipe.set(keys.streamed_key(request_id), b"1", ex=keys.CANCEL_MEMORY_TTL_S)
 
         def acknowledge(pipe) -> None:
-            for stream, entry_id, request_id in acks:
+            for stream, entry_id, request_id, *bindings in acks:
                 pipe.xack(stream, keys.WORKER_GROUP, entry_id)
                 pipe.xdel(stream, entry_id)
+                if bindings:  # a ticket's request (shared.fair_queue): the same slot as its stream
+                    pipe.hdel(bindings[0], entry_id)
                 pipe.delete(keys.cancelled_key(request_id), keys.lease_key(request_id),
                             keys.streamed_key(request_id))  # one slot: the request's
 

@@ -1,0 +1,103 @@
+"""Fair share between tenants in the pull model: tickets in the request stream, envelopes in
+tenant queues, bound to each other when a worker claims a ticket.
+
+A model's request stream stays the one thing workers block on, count and recover from: every
+waiting request has one entry there, so the backlog bound, the gauges, KEDA's scaling, XREADGROUP's
+"no idle worker while work waits" and XAUTOCLAIM's recovery of a dead worker's requests all work
+as before. What changes is which request an entry stands for:
+
+- An anonymous request (keys off, or fair share turned off) is its own entry, carrying its
+  envelope (`keys.ENVELOPE_FIELD`): served in arrival order, one XADD and one XREADGROUP.
+- A tenant's request is a *ticket* entry (`keys.TICKET_FIELD`), and its envelope goes to the end of
+  its tenant's queue (`keys.tenant_queue`). A queue that was empty joins the end of its priority's
+  *turns* (`keys.tenant_turns`): the non-empty queues, each once. `ENQUEUE` does both atomically.
+- A worker that claims tickets binds each (`BIND`, atomic) to the head of the first queue in
+  turn, of the highest priority that has one, and puts that queue back at the end of its turns
+  if it still holds requests. The binding (`keys.bound_requests`, ticket -> envelope) is kept
+  until the ticket is acknowledged, so a ticket reclaimed from a dead worker runs the same
+  request again, and binding is idempotent.
+
+So tenants of one priority are served in turn (round robin, one request each), whatever their
+arrival order: a tenant with 1,000 queued requests holds back another's single request by at most
+one claim per other tenant of its priority. `high` is served before `normal` before `low`
+(strictly: a lower priority waits while a higher one has requests queued). Tickets are claimed
+only by workers with a free slot, so a request is bound at the moment it can start, never queued
+on a busy worker. No process schedules: the order lives in Redis and each worker's claim takes
+the next turn.
+
+Every key here is of one model, so of one Redis Cluster slot (its `{model}` tag); the tenant
+queues named in the turns are reached from inside the scripts, on that same node.
+"""
+
+from __future__ import annotations
+
+from shared import keys
+
+PRIORITIES = ("high", "normal", "low")  # served in this order (gateway.tenancy.PRIORITIES)
+
+# KEYS: request stream [, tenant queue, its turns]. ARGV: depth limit, maxlen, envelope field,
+# envelope [, ticket field, ttl]. With one key, the envelope is the entry (arrival order); with
+# three, the entry is a ticket and the envelope waits in its tenant's queue. Returns {accepted, depth}.
+ENQUEUE = """
+local depth = redis.call('XLEN', KEYS[1])
+if depth >= tonumber(ARGV[1]) then return {0, depth} end
+if #KEYS == 1 then
+  redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', ARGV[3], ARGV[4])
+  return {1, depth}
+end
+if redis.call('RPUSH', KEYS[2], ARGV[4]) == 1 then redis.call('RPUSH', KEYS[3], KEYS[2]) end
+redis.call('EXPIRE', KEYS[2], ARGV[6])
+redis.call('EXPIRE', KEYS[3], ARGV[6])
+redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', ARGV[5], '1')
+return {1, depth}
+"""
+
+# KEYS: bindings, then the turns of each priority, highest first. ARGV: ttl, ticket ids.
+# Returns the envelope of each ticket: the one bound to it before, else the next in turn ('' when
+# no queue holds one: a ticket whose request is gone, which the worker acknowledges).
+BIND = """
+local out = {}
+for i = 2, #ARGV do
+  local ticket = ARGV[i]
+  local envelope = redis.call('HGET', KEYS[1], ticket)
+  if not envelope then
+    envelope = ''
+    for p = 2, #KEYS do
+      local queue = redis.call('LPOP', KEYS[p])
+      while queue do
+        local head = redis.call('LPOP', queue)
+        if head then
+          if redis.call('LLEN', queue) > 0 then redis.call('RPUSH', KEYS[p], queue) end
+          envelope = head
+          break
+        end
+        queue = redis.call('LPOP', KEYS[p])  -- expired or emptied: no longer in turn
+      end
+      if envelope ~= '' then break end
+    end
+    if envelope ~= '' then
+      redis.call('HSET', KEYS[1], ticket, envelope)
+      redis.call('EXPIRE', KEYS[1], ARGV[1])
+    end
+  end
+  out[#out + 1] = envelope
+end
+return out
+"""
+
+
+def enqueue_keys(model: str, tenant: str, priority: str) -> list[str]:
+    """The keys of `ENQUEUE` for a request of `tenant` ("" : anonymous, its own stream entry)."""
+    if not tenant:
+        return [keys.request_stream(model)]
+    priority = priority if priority in PRIORITIES else "normal"
+    return [keys.request_stream(model), keys.tenant_queue(model, priority, tenant), keys.tenant_turns(model, priority)]
+
+
+def enqueue_args(depth_limit: int, envelope: bytes, fair: bool) -> list:
+    args = [depth_limit, keys.REQUEST_STREAM_MAXLEN, keys.ENVELOPE_FIELD, envelope]
+    return [*args, keys.TICKET_FIELD, keys.FAIR_QUEUE_TTL_S] if fair else args
+
+
+def bind_keys(model: str) -> list[str]:
+    return [keys.bound_requests(model), *(keys.tenant_turns(model, p) for p in PRIORITIES)]

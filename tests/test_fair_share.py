@@ -1,0 +1,182 @@
+"""Fair share between tenants (shared/fair_queue.py) on a real Redis with real scripted workers.
+
+The gateway's side runs in the test process (`Fleet.submit` with envelopes whose tenant and
+priority are set here, as `new_envelope` sets them from the API key); the workers are processes.
+A worker with one slot serves one request at a time, so the order of the requests' `finished_at`
+is the order they were served in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+
+import pytest
+
+from gateway.fleet import Fleet, GatewaySettings, Run
+from shared import keys
+from shared.envelopes import GenerationChunk, RequestEnvelope, SamplingOptions
+from shared.errors import Overloaded
+from tests.conftest import leftover_keys
+from tests.procs import start_worker, wait_for
+
+pytestmark = pytest.mark.integration
+
+TOKENS_PER_SECOND = 100  # a 5-token request takes 50 ms
+
+
+@contextlib.asynccontextmanager
+async def gateway(redis_url: str, **settings):
+    fleet = Fleet(GatewaySettings(redis_url=redis_url, **settings))
+    await fleet.start()
+    try:
+        await asyncio.wait_for(fleet.router.connected.wait(), 10)
+        yield fleet
+    finally:
+        await fleet.stop()
+
+
+@pytest.fixture
+def model() -> str:
+    return f"fair-{uuid.uuid4().hex[:8]}"
+
+
+def one_slot_worker(redis_url: str, model: str, *args: str):
+    return start_worker(redis_url, model, "--scripted-tokens-per-second", str(TOKENS_PER_SECOND),
+                        "--max-concurrency", "1", *args)
+
+
+def envelope(model: str, tenant: str = "", priority: str = "normal", max_tokens: int = 5,
+             words: str = "one two three", queue_timeout_s: float = 120) -> RequestEnvelope:
+    now = time.time()
+    return RequestEnvelope(
+        request_id=uuid.uuid4().hex, model=model, kind="chat", reply_to="", arrival=now, deadline=now + 120,
+        queue_deadline=now + queue_timeout_s, body={"messages": [{"role": "user", "content": words}]},
+        params=SamplingOptions(max_tokens=max_tokens), batch_replies=True, tenant=tenant, priority=priority)
+
+
+async def terminal(run: Run) -> GenerationChunk:
+    last = None
+    async for chunk in run.chunks():
+        last = chunk
+    await run.release()
+    return last
+
+
+def service_order(requests: dict[str, RequestEnvelope], endings: dict[str, GenerationChunk]) -> list[str]:
+    """The tenants of `requests` (by request id) in the order a one-slot worker finished them."""
+    done = sorted(endings, key=lambda rid: endings[rid].timings["finished_at"])
+    return [requests[rid].tenant for rid in done]
+
+
+async def submit_all(fleet: Fleet, envelopes: list[RequestEnvelope]) -> list[Run]:
+    return [await fleet.submit(e) for e in envelopes]  # one after another: arrival order is list order
+
+
+async def wait_running(redis_client, model: str) -> None:
+    """Until a worker has claimed a request of `model` (its consumer group's pending count)."""
+    def claimed() -> bool:
+        return any(g["pending"] > 0 for g in redis_client.xinfo_groups(keys.request_stream(model)))
+
+    await asyncio.to_thread(wait_for, claimed, 20, "a worker to claim the first request", 0.01)
+
+
+def model_keys_left(redis_client, model: str) -> list[str]:
+    return [k for k in leftover_keys(redis_client) if model in k]
+
+
+async def light_position(redis_url: str, redis_client, model: str, fair_share: bool) -> int:
+    """Where a light tenant's one request is served among a heavy tenant's 20 queued before it."""
+    async with gateway(redis_url, fair_share=fair_share) as fleet:
+        heavy = [envelope(model, "heavy") for _ in range(20)]
+        runs = await submit_all(fleet, heavy[:1])
+        await wait_running(redis_client, model)
+        light = envelope(model, "light")
+        runs += await submit_all(fleet, [*heavy[1:], light])
+        endings = await asyncio.wait_for(asyncio.gather(*(terminal(r) for r in runs)), 60)
+    requests = {e.request_id: e for e in [*heavy, light]}
+    order = service_order(requests, {r.request_id: e for r, e in zip(runs, endings, strict=True)})
+    assert all(e.finish_reason == "length" for e in endings)
+    return order.index("light") + 1
+
+
+async def test_a_light_tenant_is_served_in_turn_not_behind_a_heavy_tenants_backlog(redis_url, redis_client, model):
+    worker = one_slot_worker(redis_url, model)
+    try:
+        # Heavy's first request runs, heavy's second is next in turn, then light's.
+        assert await light_position(redis_url, redis_client, model, fair_share=True) <= 3
+        # The same fleet in arrival order: light waits behind the whole backlog.
+        assert await light_position(redis_url, redis_client, model, fair_share=False) == 21
+        await asyncio.to_thread(wait_for, lambda: not model_keys_left(redis_client, model), 10,
+                                "the model's queue keys to be gone or bounded")
+        assert redis_client.hlen(keys.bound_requests(model)) == 0
+    finally:
+        worker.stop()
+
+
+async def test_high_is_served_before_normal_before_low(redis_url, redis_client, model):
+    worker = one_slot_worker(redis_url, model)
+    try:
+        async with gateway(redis_url) as fleet:
+            blocker = envelope(model, "first", max_tokens=50)  # 0.5 s: the others queue behind it
+            runs = await submit_all(fleet, [blocker])
+            await wait_running(redis_client, model)
+            queued = [envelope(model, f"{p}-{i}", p) for i in range(2) for p in ("low", "normal", "high")]
+            runs += await submit_all(fleet, queued)
+            endings = await asyncio.wait_for(asyncio.gather(*(terminal(r) for r in runs)), 60)
+        order = service_order({e.request_id: e for e in [blocker, *queued]},
+                              {r.request_id: e for r, e in zip(runs, endings, strict=True)})
+        assert order == ["first", "high-0", "high-1", "normal-0", "normal-1", "low-0", "low-1"]
+    finally:
+        worker.stop()
+
+
+async def test_a_dead_workers_tickets_run_their_own_requests_on_another_worker(redis_url, redis_client, model):
+    slow = ("--scripted-tokens-per-second", "5", "--max-concurrency", "4", "--claim-idle", "1")
+    victim = start_worker(redis_url, model, *slow)
+    rescuer = None
+    try:
+        async with gateway(redis_url) as fleet:
+            requests = [envelope(model, f"t{i % 2}", max_tokens=10, words=f"request {i}") for i in range(6)]
+            runs = await submit_all(fleet, requests)
+            await asyncio.to_thread(wait_for, lambda: redis_client.hlen(keys.bound_requests(model)) == 4, 20,
+                                    "the victim to claim four tickets")
+            victim.kill()
+            rescuer = start_worker(redis_url, model, *slow)
+            endings = await asyncio.wait_for(asyncio.gather(*(terminal(r) for r in runs)), 90)
+        for request, ending in zip(requests, endings, strict=True):
+            words = request.body["messages"][0]["content"].split()
+            assert ending.error is None and ending.finish_reason == "length"
+            assert ending.candidates[0].text == " ".join(words[i % 2] for i in range(10))
+        await asyncio.to_thread(wait_for, lambda: not model_keys_left(redis_client, model), 10,
+                                "the model's queue keys to be gone or bounded")
+        assert redis_client.hlen(keys.bound_requests(model)) == 0
+    finally:
+        victim.kill()
+        if rescuer is not None:
+            rescuer.stop()
+
+
+async def test_queued_tickets_keep_cancels_queue_timeouts_and_the_backlog_bound(redis_url, redis_client, model):
+    async with gateway(redis_url, max_queue=3) as fleet:
+        # No worker yet: the bound counts tickets as it counts envelopes.
+        blocker = envelope(model, "a", max_tokens=50)
+        cancelled, stale = envelope(model, "b"), envelope(model, "c", queue_timeout_s=0.2)
+        runs = await submit_all(fleet, [blocker, cancelled, stale])
+        with pytest.raises(Overloaded):
+            await fleet.submit(envelope(model, "d"))
+        assert redis_client.xlen(keys.request_stream(model)) == 3
+        await runs[1].close()  # the client went away: its cancel waits for a worker to claim it
+        worker = one_slot_worker(redis_url, model)
+        try:
+            first, third = await asyncio.wait_for(asyncio.gather(terminal(runs[0]), terminal(runs[2])), 60)
+            assert first.finish_reason == "length"
+            assert third.error is not None and third.error.code == "queue_timeout"
+            await asyncio.to_thread(wait_for, lambda: not model_keys_left(redis_client, model), 10,
+                                    "every ticket to be acknowledged and its binding removed")
+            assert redis_client.hlen(keys.bound_requests(model)) == 0
+            assert redis_client.xlen(keys.request_stream(model)) == 0
+        finally:
+            worker.stop()
