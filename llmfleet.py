@@ -180,6 +180,95 @@ def tiny_model(directory: str) -> None:
     click.echo(write_tiny_model(directory))
 
 
+@main.group("keys")
+def keys_group() -> None:
+    """Managed API keys, for gateways started with --require-keys (gateway/keys.py)."""
+
+
+def _with_key_store(redis_url: str, action):
+    """Run `action(KeyStore)` on a short-lived Redis client; return its result."""
+    import asyncio
+
+    from gateway.keys import KeyStore
+    from shared import redis_pool
+
+    async def run():
+        client = redis_pool.connect(redis_url, max_connections=4, wait_s=5, client_name="llmfleet-keys")
+        try:
+            return await action(KeyStore(client))
+        finally:
+            await client.aclose()
+
+    return asyncio.run(run())
+
+
+def _table(rows: list[dict], columns: list[str]) -> None:
+    widths = [max([len(c), *(len(str(r[c])) for r in rows)]) for c in columns]
+    for row in [dict(zip(columns, columns, strict=True)), *rows]:
+        click.echo("  ".join(str(row[c]).ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip())
+
+
+@keys_group.command("create")
+@click.option("--name", required=True, help="The key's name: its tenant, its label in metrics and usage.")
+@click.option("--rpm", default=0, type=click.IntRange(min=0), help="Requests per rate window (0: no limit).")
+@click.option("--tpm", default=0, type=click.IntRange(min=0), help="Prompt plus completion tokens per rate "
+              "window (0: no limit).")
+@click.option("--max-parallel", default=0, type=click.IntRange(min=0), help="Requests in flight at once "
+              "(0: no limit).")
+@click.option("--priority", default="normal", type=click.Choice(["high", "normal", "low"]))
+@click.option("--models", default="", help="Comma-separated models the key may use (default: all).")
+@click.option("--expires-in", default=365, type=click.IntRange(min=1), help="Days until the key stops working.")
+@redis_options
+def create_key(name: str, rpm: int, tpm: int, max_parallel: int, priority: str, models: str, expires_in: int,
+               redis_url: str) -> None:
+    """Make a key; its secret is printed once, alone on the last line, and never stored."""
+    from gateway.keys import NAME, ApiKey, KeyExists, digest, new_secret
+
+    if not NAME.fullmatch(name):
+        raise click.BadParameter("1 to 64 letters, digits, '.', '_' or '-'", param_hint="--name")
+    secret = new_secret()
+    now = time.time()
+    key = ApiKey(name=name, digest=digest(secret), priority=priority, rpm=rpm, tpm=tpm, max_parallel=max_parallel,
+                 models=tuple(m.strip() for m in models.split(",") if m.strip()), created=now,
+                 expires=now + expires_in * 86400)
+    try:
+        _with_key_store(redis_url, lambda store: store.create(key, expires_in * 86400))
+    except KeyExists:
+        raise click.ClickException(f"a key named {name!r} exists already (revoke it first)") from None
+    public = key.public()
+    click.echo(", ".join(f"{k}={v}" for k, v in public.items()))
+    click.echo("The secret below is shown once; store it now:", err=False)
+    click.echo(secret)
+
+
+@keys_group.command("list")
+@redis_options
+def list_keys(redis_url: str) -> None:
+    """The keys and their limits (never their secrets)."""
+    found = _with_key_store(redis_url, lambda store: store.all())
+    _table([key.public() for key in found],
+           ["name", "priority", "rpm", "tpm", "max_parallel", "models", "created", "expires"])
+
+
+@keys_group.command("revoke")
+@click.argument("name")
+@redis_options
+def revoke_key(name: str, redis_url: str) -> None:
+    """Revoke a key: every gateway refuses it within 2 seconds."""
+    if not _with_key_store(redis_url, lambda store: store.revoke(name)):
+        raise click.ClickException(f"no key named {name!r}")
+    click.echo(f"revoked {name}")
+
+
+@keys_group.command("usage")
+@click.argument("name", required=False)
+@redis_options
+def key_usage(name: str | None, redis_url: str) -> None:
+    """Requests and tokens per key and model."""
+    rows = _with_key_store(redis_url, lambda store: store.usage(name))
+    _table(rows, ["name", "model", "requests", "prompt_tokens", "completion_tokens"])
+
+
 @main.command()
 @option("port", default=8000, type=int)
 @option("redis-url", default=DEFAULT_REDIS_URL)

@@ -18,6 +18,7 @@ from gateway.openai import responses as openai_responses
 from gateway.accounting import CountResponses
 from gateway.errors import install_error_handlers
 from gateway.fleet import Fleet, GatewaySettings
+from gateway.keys import FrontDoor
 from gateway.limits import BodySizeLimit
 
 
@@ -36,6 +37,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
     app = FastAPI(title="llmfleet gateway", lifespan=lifespan)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    if settings.api_key or settings.require_keys:  # without keys, not a single check on any request
+        app.add_middleware(FrontDoor, settings=settings)  # before a body is read; its 401s are counted
     app.add_middleware(CountResponses)  # outermost: it also counts the 413s of BodySizeLimit
     install_error_handlers(app)
     app.include_router(openai_chat.router)

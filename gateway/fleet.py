@@ -18,6 +18,7 @@ from redis.exceptions import RedisError
 
 from gateway import metrics
 from gateway.cancel import CancelRegistry
+from gateway.ratelimit import Grant, RateLimits
 from gateway.registry import WorkerRegistry
 from gateway.relay import ReplyRouter
 from gateway.settings import GatewaySettings
@@ -56,6 +57,7 @@ class Run:
         self.closed_at = 0.0
         self.worker_id = ""
         self._next_seq = 0
+        self.grant: Grant | None = None  # its API key's limits and usage (gateway/ratelimit.py), if it has one
         self._lease = 0  # the newest lease of the request heard from (`ChunkEnvelope.lease`)
 
     async def chunks(self) -> AsyncIterator[GenerationChunk]:
@@ -82,6 +84,8 @@ class Run:
             for chunk in envelope.chunks:
                 if chunk.done:
                     self.finished = True
+                if self.grant is not None:
+                    self.grant.count(chunk)
                 yield chunk
 
     def _follow_lease(self, lease: int) -> None:
@@ -156,6 +160,7 @@ class Fleet:
         # its answer is, or a cancel sent right after the answer would still find the run.
         self.batched = BatchedRedis(self.redis)
         self.cancels = CancelRegistry(self.redis, settings.gateway_id)
+        self.limits = RateLimits(self.batched, settings.rate_window_s)
         self._enqueue_script = self.batched.register_script(fair_queue.ENQUEUE)
         self.draining = False
         self._loops: list[asyncio.Task] = []
@@ -165,7 +170,7 @@ class Fleet:
     async def start(self) -> None:
         self._loops = [asyncio.create_task(job, name=job.__qualname__) for job in (
             self.batched.run(), self.router.run(), self.router.watch_silence(SILENCE_CHECK_S),
-            self.router.keep_alive(), self.registry.run())]
+            self.router.keep_alive(), self.registry.run(), self.limits.run())]
 
     async def stop(self) -> None:
         """Let the last runs' cancels and unregistering finish, stop the loops, close the pool: each
@@ -178,6 +183,7 @@ class Fleet:
         # at their next turn should a cancel be lost (shared.stopping).
         self.router.stop()
         self.registry.stop()
+        self.limits.stop()
         self.batched.stop()
         await stop_tasks(self._loops, grace_s=0, cancel_s=STOP_CANCEL_S, what="gateway loops")
         try:
@@ -211,9 +217,11 @@ class Fleet:
         if self.router.open_requests >= self.settings.max_open_requests:
             raise Overloaded(f"This gateway is following its maximum of {self.settings.max_open_requests} "
                              "requests; retry shortly.", retry_after=1)
+        grant = await self.limits.admit(envelope)  # its key's limits (404, 429), before anything is registered
         envelope.reply_to = self.router.stream
         replies = self.router.open(envelope.request_id)
         run = Run(self, envelope, replies)
+        run.grant = grant  # released when the run closes, or below if it is never returned
         try:
             if await self.cancels.register(envelope.request_id, envelope.cancel_id, self._ttl(envelope)):
                 replies.put_nowait(ChunkEnvelope(envelope.request_id, 0, [_cancelled_before_start(envelope)]))
@@ -221,10 +229,16 @@ class Fleet:
             await self._enqueue(envelope)
         except (RedisError, OSError) as exc:
             self.router.close(envelope.request_id)  # its registration keys expire on their own
+            self._spawn(self.limits.release(grant))
             raise ServiceUnavailable("The request queue is unreachable; try again shortly.") from exc
         except Overloaded:
             self.router.close(envelope.request_id)
+            self._spawn(self.limits.release(grant))
             await self.cancels.finish(envelope.request_id, envelope.cancel_id, 1)
+            raise
+        except BaseException:
+            self.router.close(envelope.request_id)
+            self._spawn(self.limits.release(grant))
             raise
         metrics.SUBMITTED.labels(envelope.model).inc()
         return run
@@ -268,6 +282,7 @@ class Fleet:
             await self.cancels.finish(run.request_id, run.envelope.cancel_id, self._ttl(run.envelope))
         except (RedisError, OSError) as exc:
             log.warning("unregistering request %s failed: %s", run.request_id, exc)
+        await self.limits.release(run.grant)
 
 
 def _cancelled_before_start(envelope: RequestEnvelope) -> GenerationChunk:

@@ -43,6 +43,13 @@ class GatewaySettings:
     response_store_max_bytes: int = setting(1024 * 1024, "A larger Response is not stored.")
     fair_share: bool = setting(True, "Serve the tenants (API keys) of one priority in turn when a model's queue is "
                                "contended; false: in arrival order.")
+    api_key: str = setting("", "A key every API request must present (Authorization: Bearer KEY, or x-api-key), "
+                           "as vllm serve has it; off when empty.")
+    require_keys: bool = setting(False, "Require a managed API key (llmfleet keys create) on every API request, "
+                                 "with its limits and priority.")
+    open_paths: tuple[str, ...] = setting(("/health", "/ready", "/metrics"), "Comma-separated paths answered "
+                                          "without a key.")
+    rate_window_s: float = setting(60.0, "Seconds over which a key's --rpm and --tpm limits count.")
     gateway_id: str = ""
 
     def __post_init__(self) -> None:
@@ -66,5 +73,5 @@ def from_options(redis_url: str, values: dict[str, Any]) -> GatewaySettings:
         value = values.get(option_name(f.name).replace("-", "_"))
         if f.metadata and value is not None:
             chosen[f.name] = tuple(v.strip() for v in value.split(",") if v.strip()) \
-                if isinstance(f.default, tuple) else value
+                if isinstance(f.default, tuple) and isinstance(value, str) else value
     return GatewaySettings(**chosen)

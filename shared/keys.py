@@ -53,6 +53,18 @@ part of the name. `<...>` is a placeholder.
 | llmfleet:bound:{<model>}             | hash    | TTL FAIR_QUEUE_TTL_S, refreshed; ticket  |
 |                                      |         | -> envelope while claimed, HDEL'd with   |
 |                                      |         | the ticket's XACK (at most its pending)  |
+| llmfleet:key:{<name>}                | hash    | TTL: the key's lifetime (`llmfleet keys  |
+|                                      |         | create --expires-in`); a managed API key |
+|                                      |         | (gateway/keys.py), its secret's SHA-256  |
+| llmfleet:key-digest:{<sha256>}       | string  | TTL: as its key; digest -> key name      |
+| llmfleet:rate:{<name>}:requests      | hash    | TTL 2 rate windows, refreshed; requests  |
+| llmfleet:rate:{<name>}:tokens        | hash    | per slot of the window (RATE_SLOTS at    |
+|                                      |         | most: older slots are deleted as read)   |
+| llmfleet:rate:{<name>}:inflight      | zset    | TTL: the latest deadline in it; request  |
+|                                      |         | -> deadline, ZREM'd when it ends (an     |
+|                                      |         | entry past its deadline is dropped)      |
+| llmfleet:usage:{<name>}              | hash    | TTL USAGE_TTL_S, refreshed; requests and |
+|                                      |         | tokens per model (one field per counter) |
 
 The keys that share a slot, and the operation that needs it:
 - `{<model>}`: a poison entry's XADD to the dead letters, XACK and XDEL, in order on one node;
@@ -62,6 +74,8 @@ The keys that share a slot, and the operation that needs it:
   when the request ends.
 - `{<cancel_id>}`: the register, finish and cancel-by-id scripts (`gateway/cancel.py`).
 - `{workers}`: the registry's MGET of every heartbeat.
+- `{<name>}` (an API key's): the admission and settling scripts of its limits and usage
+  (`gateway/ratelimit.py`).
 Commands on keys of different tags share pipelines, never a command or a script.
 """
 
@@ -184,3 +198,28 @@ def tenant_turns(model: str, priority: str) -> str:
 
 def bound_requests(model: str) -> str:
     return f"{PREFIX}:bound:{_tag(model)}"
+
+# Managed API keys (gateway/keys.py) and their limits and usage (gateway/ratelimit.py). A key's
+# name is its tag: its rate windows, requests in flight and usage live on one node.
+API_KEY_RECORD_PATTERN = f"{PREFIX}:key:*"
+USAGE_PATTERN = f"{PREFIX}:usage:*"
+USAGE_TTL_S = 400 * 24 * 3600  # refreshed by every request of the key
+RATE_SLOTS = 60  # a rate window's slots: a count leaves the window one slot at a time
+
+
+def api_key_record(name: str) -> str:
+    return f"{PREFIX}:key:{_tag(name)}"
+
+
+def api_key_digest(digest: str) -> str:
+    return f"{PREFIX}:key-digest:{_tag(digest)}"
+
+
+def rate_keys(name: str) -> list[str]:
+    """An API key's request window, token window and requests in flight, in that order."""
+    tag = _tag(name)
+    return [f"{PREFIX}:rate:{tag}:requests", f"{PREFIX}:rate:{tag}:tokens", f"{PREFIX}:rate:{tag}:inflight"]
+
+
+def usage_key(name: str) -> str:
+    return f"{PREFIX}:usage:{_tag(name)}"
