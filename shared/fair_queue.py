@@ -9,17 +9,22 @@ as before. What changes is which request an entry stands for:
 - An anonymous request (keys off, or fair share turned off) is its own entry, carrying its
   envelope (`keys.ENVELOPE_FIELD`): served in arrival order, one XADD and one XREADGROUP.
 - A tenant's request is a *ticket* entry (`keys.TICKET_FIELD`), and its envelope goes to the end of
-  its tenant's queue (`keys.tenant_queue`). A queue that was empty joins the end of its priority's
-  *turns* (`keys.tenant_turns`): the non-empty queues, each once. `ENQUEUE` does both atomically.
+  its tenant's queue (`keys.tenant_queue`). A queue that was empty joins the end of its
+  priority's *new turns* (`keys.tenant_turns(..., new=True)`), which come before the *turns* of
+  the queues already waiting: a tenant with nothing queued is owed the next turn, as in start-time
+  fair queueing, where a newly active flow starts at the virtual time of the one in service, so
+  ahead of every backlogged flow's next request. It takes one turn that way; what else it queued
+  waits at the end of the turns like everyone's. Each non-empty queue is in one of the two lists,
+  once. `ENQUEUE` does both atomically.
 - A worker that claims tickets binds each (`BIND`, atomic) to the head of the first queue in
-  turn, of the highest priority that has one, and puts that queue back at the end of its turns
-  if it still holds requests. The binding (`keys.bound_requests`, ticket -> envelope) is kept
+  turn (new turns first), of the highest priority that has one, and puts that queue at the end of
+  its priority's turns if it still holds requests. The binding (`keys.bound_requests`, ticket -> envelope) is kept
   until the ticket is acknowledged, so a ticket reclaimed from a dead worker runs the same
   request again, and binding is idempotent.
 
 So tenants of one priority are served in turn (round robin, one request each), whatever their
-arrival order: a tenant with 1,000 queued requests holds back another's single request by at most
-one claim per other tenant of its priority. `high` is served before `normal` before `low`
+arrival order: a tenant's single request waits for the next free slot, not behind another
+tenant's 1,000 queued requests. `high` is served before `normal` before `low`
 (strictly: a lower priority waits while a higher one has requests queued). Tickets are claimed
 only by workers with a free slot, so a request is bound at the moment it can start, never queued
 on a busy worker. No process schedules: the order lives in Redis and each worker's claim takes
@@ -35,7 +40,7 @@ from shared import keys
 
 PRIORITIES = ("high", "normal", "low")  # served in this order (gateway.tenancy.PRIORITIES)
 
-# KEYS: request stream [, tenant queue, its turns]. ARGV: depth limit, maxlen, envelope field,
+# KEYS: request stream [, tenant queue, its priority's new turns]. ARGV: depth limit, maxlen, envelope field,
 # envelope [, ticket field, ttl]. With one key, the envelope is the entry (arrival order); with
 # three, the entry is a ticket and the envelope waits in its tenant's queue. Returns {accepted, depth}.
 ENQUEUE = """
@@ -52,7 +57,8 @@ redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', ARGV[5], '1')
 return {1, depth}
 """
 
-# KEYS: bindings, then the turns of each priority, highest first. ARGV: ttl, ticket ids.
+# KEYS: bindings, then the new turns and the turns of each priority, highest first. ARGV: ttl,
+# ticket ids.
 # Returns the envelope of each ticket: the one bound to it before, else the next in turn ('' when
 # no queue holds one: a ticket whose request is gone, which the worker acknowledges).
 BIND = """
@@ -67,7 +73,8 @@ for i = 2, #ARGV do
       while queue do
         local head = redis.call('LPOP', queue)
         if head then
-          if redis.call('LLEN', queue) > 0 then redis.call('RPUSH', KEYS[p], queue) end
+          local turns = KEYS[p + (p % 2 == 0 and 1 or 0)]  -- a new turn's queue waits in the turns
+          if redis.call('LLEN', queue) > 0 then redis.call('RPUSH', turns, queue) end
           envelope = head
           break
         end
@@ -91,7 +98,8 @@ def enqueue_keys(model: str, tenant: str, priority: str) -> list[str]:
     if not tenant:
         return [keys.request_stream(model)]
     priority = priority if priority in PRIORITIES else "normal"
-    return [keys.request_stream(model), keys.tenant_queue(model, priority, tenant), keys.tenant_turns(model, priority)]
+    return [keys.request_stream(model), keys.tenant_queue(model, priority, tenant),
+            keys.tenant_turns(model, priority, new=True)]
 
 
 def enqueue_args(depth_limit: int, envelope: bytes, fair: bool) -> list:
@@ -100,4 +108,5 @@ def enqueue_args(depth_limit: int, envelope: bytes, fair: bool) -> list:
 
 
 def bind_keys(model: str) -> list[str]:
-    return [keys.bound_requests(model), *(keys.tenant_turns(model, p) for p in PRIORITIES)]
+    return [keys.bound_requests(model),
+            *(keys.tenant_turns(model, p, new) for p in PRIORITIES for new in (True, False))]

@@ -49,7 +49,8 @@ part of the name. `<...>` is a placeholder.
 |                                      |         | (so at most its length): a tenant's      |
 |                                      |         | waiting requests (shared/fair_queue.py)  |
 | llmfleet:turns:{<model>}:<priority>  | list    | TTL FAIR_QUEUE_TTL_S, refreshed; the     |
-|                                      |         | tenant queues not empty, each once       |
+|   [:new]                             |         | tenant queues not empty, each in one of  |
+|                                      |         | the two once                             |
 | llmfleet:bound:{<model>}             | hash    | TTL FAIR_QUEUE_TTL_S, refreshed; ticket  |
 |                                      |         | -> envelope while claimed, HDEL'd with   |
 |                                      |         | the ticket's XACK (at most its pending)  |
@@ -192,8 +193,8 @@ def tenant_queue(model: str, priority: str, tenant: str) -> str:
     return f"{PREFIX}:queue:{_tag(model)}:{priority}:{tenant}"
 
 
-def tenant_turns(model: str, priority: str) -> str:
-    return f"{PREFIX}:turns:{_tag(model)}:{priority}"
+def tenant_turns(model: str, priority: str, new: bool = False) -> str:
+    return f"{PREFIX}:turns:{_tag(model)}:{priority}" + (":new" if new else "")
 
 
 def bound_requests(model: str) -> str:

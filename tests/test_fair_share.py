@@ -57,12 +57,52 @@ def envelope(model: str, tenant: str = "", priority: str = "normal", max_tokens:
         params=SamplingOptions(max_tokens=max_tokens), batch_replies=True, tenant=tenant, priority=priority)
 
 
-async def terminal(run: Run) -> GenerationChunk:
-    last = None
-    async for chunk in run.chunks():
-        last = chunk
-    await run.release()
-    return last
+@contextlib.asynccontextmanager
+async def submitted(fleet: Fleet, request: RequestEnvelope):
+    """`fleet.submit`'s run, for the time of the block: as an `async with` (the one owner of a
+    request's life), or, where `submit` is still a coroutine, closed on the way out."""
+    submit = fleet.submit(request)
+    if hasattr(submit, "__aenter__"):
+        async with submit as run:
+            yield run
+        return
+    run: Run = await submit
+    try:
+        yield run
+    finally:
+        if run.finished:
+            await run.release()
+        else:
+            run.close()
+
+
+async def follow(fleet: Fleet, request: RequestEnvelope, queued: asyncio.Event,
+                 leave: asyncio.Event | None = None) -> GenerationChunk | None:
+    """Submit `request` (set `queued` once it is) and return its terminal chunk; with `leave`, go
+    away without reading once it is set, as a client that disconnects."""
+    async with submitted(fleet, request) as run:
+        queued.set()
+        if leave is not None:
+            await leave.wait()
+            return None
+        last = None
+        async for chunk in run.chunks():
+            last = chunk
+        return last
+
+
+async def submit_all(fleet: Fleet, requests: list[RequestEnvelope],
+                     leave: asyncio.Event | None = None) -> list[asyncio.Task]:
+    """Each request followed by its own task, queued one after another: arrival order is list order."""
+    tasks = []
+    for request in requests:
+        queued = asyncio.Event()
+        task = asyncio.create_task(follow(fleet, request, queued, leave))
+        await asyncio.wait([asyncio.create_task(queued.wait()), task], return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            task.result()  # raises what the submit raised
+        tasks.append(task)
+    return tasks
 
 
 def service_order(requests: dict[str, RequestEnvelope], endings: dict[str, GenerationChunk]) -> list[str]:
@@ -71,16 +111,10 @@ def service_order(requests: dict[str, RequestEnvelope], endings: dict[str, Gener
     return [requests[rid].tenant for rid in done]
 
 
-async def submit_all(fleet: Fleet, envelopes: list[RequestEnvelope]) -> list[Run]:
-    return [await fleet.submit(e) for e in envelopes]  # one after another: arrival order is list order
-
-
-async def wait_running(redis_client, model: str) -> None:
-    """Until a worker has claimed a request of `model` (its consumer group's pending count)."""
-    def claimed() -> bool:
-        return any(g["pending"] > 0 for g in redis_client.xinfo_groups(keys.request_stream(model)))
-
-    await asyncio.to_thread(wait_for, claimed, 20, "a worker to claim the first request", 0.01)
+async def wait_running(redis_client, request: RequestEnvelope) -> None:
+    """Until a worker has started `request` (it holds the request's lease)."""
+    await asyncio.to_thread(wait_for, lambda: redis_client.exists(keys.lease_key(request.request_id)), 20,
+                            "a worker to start the first request", 0.01)
 
 
 def model_keys_left(redis_client, model: str) -> list[str]:
@@ -92,12 +126,12 @@ async def light_position(redis_url: str, redis_client, model: str, fair_share: b
     async with gateway(redis_url, fair_share=fair_share) as fleet:
         heavy = [envelope(model, "heavy") for _ in range(20)]
         runs = await submit_all(fleet, heavy[:1])
-        await wait_running(redis_client, model)
+        await wait_running(redis_client, heavy[0])
         light = envelope(model, "light")
         runs += await submit_all(fleet, [*heavy[1:], light])
-        endings = await asyncio.wait_for(asyncio.gather(*(terminal(r) for r in runs)), 60)
+        endings = await asyncio.wait_for(asyncio.gather(*runs), 60)
     requests = {e.request_id: e for e in [*heavy, light]}
-    order = service_order(requests, {r.request_id: e for r, e in zip(runs, endings, strict=True)})
+    order = service_order(requests, {e.request_id: end for e, end in zip([*heavy, light], endings, strict=True)})
     assert all(e.finish_reason == "length" for e in endings)
     return order.index("light") + 1
 
@@ -105,8 +139,9 @@ async def light_position(redis_url: str, redis_client, model: str, fair_share: b
 async def test_a_light_tenant_is_served_in_turn_not_behind_a_heavy_tenants_backlog(redis_url, redis_client, model):
     worker = one_slot_worker(redis_url, model)
     try:
-        # Heavy's first request runs, heavy's second is next in turn, then light's.
-        assert await light_position(redis_url, redis_client, model, fair_share=True) <= 3
+        # Heavy's first request runs (its queue empty again); heavy's second and light's each start a
+        # new turn, in arrival order; heavy's other 18 wait in the turns, behind them.
+        assert await light_position(redis_url, redis_client, model, fair_share=True) == 3
         # The same fleet in arrival order: light waits behind the whole backlog.
         assert await light_position(redis_url, redis_client, model, fair_share=False) == 21
         await asyncio.to_thread(wait_for, lambda: not model_keys_left(redis_client, model), 10,
@@ -122,12 +157,12 @@ async def test_high_is_served_before_normal_before_low(redis_url, redis_client, 
         async with gateway(redis_url) as fleet:
             blocker = envelope(model, "first", max_tokens=50)  # 0.5 s: the others queue behind it
             runs = await submit_all(fleet, [blocker])
-            await wait_running(redis_client, model)
+            await wait_running(redis_client, blocker)
             queued = [envelope(model, f"{p}-{i}", p) for i in range(2) for p in ("low", "normal", "high")]
             runs += await submit_all(fleet, queued)
-            endings = await asyncio.wait_for(asyncio.gather(*(terminal(r) for r in runs)), 60)
+            endings = await asyncio.wait_for(asyncio.gather(*runs), 60)
         order = service_order({e.request_id: e for e in [blocker, *queued]},
-                              {r.request_id: e for r, e in zip(runs, endings, strict=True)})
+                              {e.request_id: end for e, end in zip([blocker, *queued], endings, strict=True)})
         assert order == ["first", "high-0", "high-1", "normal-0", "normal-1", "low-0", "low-1"]
     finally:
         worker.stop()
@@ -145,7 +180,7 @@ async def test_a_dead_workers_tickets_run_their_own_requests_on_another_worker(r
                                     "the victim to claim four tickets")
             victim.kill()
             rescuer = start_worker(redis_url, model, *slow)
-            endings = await asyncio.wait_for(asyncio.gather(*(terminal(r) for r in runs)), 90)
+            endings = await asyncio.wait_for(asyncio.gather(*runs), 90)
         for request, ending in zip(requests, endings, strict=True):
             words = request.body["messages"][0]["content"].split()
             assert ending.error is None and ending.finish_reason == "length"
@@ -164,14 +199,18 @@ async def test_queued_tickets_keep_cancels_queue_timeouts_and_the_backlog_bound(
         # No worker yet: the bound counts tickets as it counts envelopes.
         blocker = envelope(model, "a", max_tokens=50)
         cancelled, stale = envelope(model, "b"), envelope(model, "c", queue_timeout_s=0.2)
-        runs = await submit_all(fleet, [blocker, cancelled, stale])
+        leave = asyncio.Event()
+        runs = [*await submit_all(fleet, [blocker]), *await submit_all(fleet, [cancelled], leave),
+                *await submit_all(fleet, [stale])]
         with pytest.raises(Overloaded):
-            await fleet.submit(envelope(model, "d"))
+            async with submitted(fleet, envelope(model, "d")):
+                pass
         assert redis_client.xlen(keys.request_stream(model)) == 3
-        await runs[1].close()  # the client went away: its cancel waits for a worker to claim it
+        leave.set()  # the client went away: its cancel waits for a worker to claim it
+        await asyncio.wait_for(runs[1], 10)
         worker = one_slot_worker(redis_url, model)
         try:
-            first, third = await asyncio.wait_for(asyncio.gather(terminal(runs[0]), terminal(runs[2])), 60)
+            first, third = await asyncio.wait_for(asyncio.gather(runs[0], runs[2]), 60)
             assert first.finish_reason == "length"
             assert third.error is not None and third.error.code == "queue_timeout"
             await asyncio.to_thread(wait_for, lambda: not model_keys_left(redis_client, model), 10,
