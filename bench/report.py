@@ -14,12 +14,13 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from bench import engine_path, gateway_capacity
+from bench import engine_path, fair_share, gateway_capacity
 from bench.common import RESULTS, ROOT
 
 DOCS = ROOT / "docs"
 NOTES = ROOT / "bench" / "notes.md"
-PLOTS = ("engine_path.png", "relay_throughput.png", "gateway_ttft.png", "gateway_streams.png", "cancel_latency.png")
+PLOTS = ("engine_path.png", "relay_throughput.png", "gateway_ttft.png", "gateway_streams.png", "cancel_latency.png",
+         "fair_share.png")
 
 HEADER = """# Benchmarks
 
@@ -126,6 +127,8 @@ def render(quick: bool) -> str:
                 (f"| {cancel['measured']}/{cancel['trials']} | {cancel['background_streams']} | {cancel['p50_ms']:.1f} | "
                 f"{cancel['p99_ms']:.1f} | {cancel['max_ms']:.1f} | ≤ 50 ms |"), "",
                 "![cancel latency](cancel_latency.png)"]
+    if fairness := _load("fair_share"):
+        out += fair_share.section(fairness)
     if NOTES.exists():
         out += ["", NOTES.read_text().strip()]
     return "\n".join(out) + "\n"
