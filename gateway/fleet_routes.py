@@ -10,6 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
 from gateway.errors import error_body, json_response
+from gateway.keys import current_key
 from gateway.protocol import CancelRequest
 
 router = APIRouter()
@@ -28,6 +29,9 @@ async def cancel(body: CancelRequest, request: Request) -> Response:
 @router.get("/v1/models")
 async def list_models(request: Request) -> Response:
     models = request.app.state.fleet.registry.models
+    use = current_key()
+    if use is not None and use.key.models:  # a key sees only the models it may use
+        models = {name: view for name, view in models.items() if name in use.key.models}
     data = [
         {"id": view.name, "object": "model", "created": int(min(w.started for w in view.workers)),
          "owned_by": "llmfleet", "root": view.name, "parent": None, "max_model_len": view.max_model_len,

@@ -113,6 +113,7 @@ def test_a_managed_key_works_on_every_replica_until_revoked(keyed_fleet, redis_u
     for gateway in keyed_fleet:
         wait_for(lambda g=gateway: _chat(g, secret).status_code == 401, 5, "the revoked key to be refused")
     took = time.monotonic() - revoked_at
+    print(f"\na revoked key was refused by both gateways {took:.2f}s after `llmfleet keys revoke`")
     assert took < 2.0, f"a revoked key still worked {took:.2f}s later"
     assert name not in llmfleet_keys(redis_url, "list")
 
@@ -123,8 +124,12 @@ def test_a_key_sees_only_its_models(keyed_fleet, redis_url):
     assert answer.status_code == 404, answer.text
     error = answer.json()["error"]
     assert "does not exist or you do not have access to it" in error["message"] and error["param"] == "model"
+    listed = httpx.get(f"{keyed_fleet[0].url}/v1/models", headers={"Authorization": f"Bearer {secret}"}, timeout=5)
+    assert listed.json()["data"] == []
     _name, allowed = create_key(redis_url, "--models", f"some-other-model,{MODEL}")
     assert _chat(keyed_fleet[0], allowed).status_code == 200
+    listed = httpx.get(f"{keyed_fleet[0].url}/v1/models", headers={"Authorization": f"Bearer {allowed}"}, timeout=5)
+    assert [m["id"] for m in listed.json()["data"]] == [MODEL]
 
 
 def test_usage_per_key_and_model_in_redis_and_prometheus(keyed_fleet, redis_url, redis_client):
