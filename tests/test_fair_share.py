@@ -13,6 +13,7 @@ import contextlib
 import time
 import uuid
 
+import httpx
 import pytest
 
 from gateway.fleet import Fleet, GatewaySettings, Run
@@ -20,7 +21,8 @@ from shared import keys
 from shared.envelopes import GenerationChunk, RequestEnvelope, SamplingOptions
 from shared.errors import Overloaded
 from tests.conftest import leftover_keys
-from tests.procs import start_worker, wait_for
+from tests.procs import start_gateway, start_worker, wait_for
+from tests.test_keys import create_key
 
 pytestmark = pytest.mark.integration
 
@@ -219,3 +221,33 @@ async def test_queued_tickets_keep_cancels_queue_timeouts_and_the_backlog_bound(
             assert redis_client.xlen(keys.request_stream(model)) == 0
         finally:
             worker.stop()
+
+
+async def test_real_keys_over_two_gateways_are_served_in_turn_and_by_priority(redis_url, redis_client, model):
+    """End to end: managed keys (`llmfleet keys create --priority`), gateways that require them."""
+    worker = start_worker(redis_url, model, "--scripted-tokens-per-second", "20", "--max-concurrency", "1")
+    gateways = [start_gateway(redis_url, "--require-keys", "true") for _ in range(2)]
+    (_, heavy), (_, light), (_, vip) = (create_key(redis_url, "--priority", p) for p in ("normal", "normal", "high"))
+    finished: list[str] = []
+    try:
+        async with httpx.AsyncClient(timeout=120) as client:
+            async def chat(who: str, secret: str, gateway) -> None:
+                response = await client.post(f"{gateway.url}/v1/chat/completions", headers={
+                    "Authorization": f"Bearer {secret}"}, json={
+                    "model": model, "messages": [{"role": "user", "content": "one two"}], "max_tokens": 4})
+                assert response.status_code == 200, response.text
+                finished.append(who)
+
+            await asyncio.to_thread(wait_for, lambda: all(httpx.get(f"{g.url}/ready").status_code == 200
+                                                          for g in gateways), 15, "the gateways")
+            flood = [asyncio.create_task(chat("heavy", heavy, gateways[i % 2])) for i in range(20)]
+            await asyncio.to_thread(wait_for, lambda: redis_client.xlen(keys.request_stream(model)) >= 18, 30,
+                                    "the heavy key's requests to be queued")
+            late = [asyncio.create_task(chat("light", light, gateways[1])),
+                    asyncio.create_task(chat("vip", vip, gateways[0]))]
+            await asyncio.wait_for(asyncio.gather(*flood, *late), 120)
+        # 200 ms a request: the two late ones are served within a few turns, not after the backlog.
+        assert finished.index("vip") < 5 and finished.index("light") < 6, finished
+    finally:
+        for proc in [*gateways, worker]:
+            proc.stop()
