@@ -77,6 +77,10 @@ def gateway_options(command):
     from gateway.settings import options
 
     for name, default, help_text in reversed(options()):
+        if isinstance(default, bool):  # a flag: --require-keys / --no-require-keys
+            command = click.option(f"--{name}/--no-{name}", envvar=_env(name), show_envvar=True, default=default,
+                                   help=help_text)(command)
+            continue
         kind = str if isinstance(default, tuple) else type(default)
         default = ",".join(default) if isinstance(default, tuple) else default
         command = option(name, default=default, type=kind, help=help_text)(command)

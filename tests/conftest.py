@@ -42,14 +42,20 @@ def redis_client(redis_url: str) -> redis.Redis | redis.RedisCluster:
 @pytest.fixture(scope="session")
 def scripted_fleet(redis_url: str):
     """Two gateways and two scripted workers of one model (paced so both workers get work)."""
-    workers = [start_worker(redis_url, SCRIPTED_MODEL, "--scripted-tokens-per-second", "400",
-                            "--max-concurrency", "64") for _ in range(2)]
-    gateways = [start_gateway(redis_url) for _ in range(2)]
-    for gateway in gateways:
-        wait_until_served(gateway, SCRIPTED_MODEL)
-    yield gateways, workers
-    for proc in gateways + workers:
-        proc.stop()
+    started = []
+    try:
+        for _ in range(2):
+            started.append(start_worker(redis_url, SCRIPTED_MODEL, "--scripted-tokens-per-second", "400",
+                                        "--max-concurrency", "64"))
+        for _ in range(2):
+            started.append(start_gateway(redis_url))
+        workers, gateways = started[:2], started[2:]
+        for gateway in gateways:
+            wait_until_served(gateway, SCRIPTED_MODEL)
+        yield gateways, workers
+    finally:  # also when one of them fails to start: none is left running
+        for proc in started:
+            proc.stop()
 
 
 def leftover_keys(client: redis.Redis) -> list[str]:

@@ -41,7 +41,7 @@ def create_key(redis_url: str, *options: str) -> tuple[str, str]:
 def keyed_fleet(redis_url: str):
     """Two gateways that require keys (and accept a static one), and a scripted worker."""
     worker = start_worker(redis_url, MODEL, "--max-concurrency", "64")
-    gateways = [start_gateway(redis_url, "--require-keys", "true", "--api-key", STATIC_KEY) for _ in range(2)]
+    gateways = [start_gateway(redis_url, "--require-keys", "--api-key", STATIC_KEY) for _ in range(2)]
     headers = {"Authorization": f"Bearer {STATIC_KEY}"}
     for gateway in gateways:
         wait_for(lambda g=gateway: any(m["id"] == MODEL for m in httpx.get(

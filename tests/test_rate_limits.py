@@ -27,7 +27,7 @@ TOKENS_PER_SECOND = 100  # the scripted worker's pace: a 20-token stream takes 0
 def limited_fleet(redis_url: str):
     worker = start_worker(redis_url, MODEL, "--max-concurrency", "64", "--scripted-tokens-per-second",
                           str(TOKENS_PER_SECOND))
-    gateways = [start_gateway(redis_url, "--require-keys", "true") for _ in range(2)]
+    gateways = [start_gateway(redis_url, "--require-keys") for _ in range(2)]
     yield gateways
     for proc in [*gateways, worker]:
         proc.stop()

@@ -16,6 +16,9 @@ def test_every_setting_is_an_option_of_llmfleet_gateway_with_its_default() -> No
     help_text = CliRunner().invoke(llmfleet.main, ["gateway", "--help"], terminal_width=400).output
     for name, default, _ in options():
         shown = ",".join(default) if isinstance(default, tuple) else default
+        if isinstance(default, bool):  # a flag and its negation
+            assert f"--{name} / --no-{name}" in help_text, name
+            shown = name if default else f"no-{name}"
         assert f"--{name}" in help_text and f"LLMFLEET_{name.upper().replace('-', '_')}" in help_text, name
         assert f"default: {shown if shown != '' else chr(34) * 2}" in help_text.split(f"--{name}")[1], name
 
