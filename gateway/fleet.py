@@ -11,7 +11,8 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
 from redis.exceptions import RedisError
@@ -45,19 +46,26 @@ REDIS_CLOSE_S = 2.0
 
 
 class Run:
-    """One request in flight: iterate `chunks()` once, then `close()`."""
+    """One request in flight, owned by `Fleet.submit`: iterate `chunks()` once. `close(reason)`
+    says the caller is done with it (the reason is the cancel's cause if it has not ended); the
+    owner does the rest when its `async with` ends. `release()` ends a complete answer early."""
 
-    def __init__(self, fleet: Fleet, envelope: RequestEnvelope, replies: asyncio.Queue[ChunkEnvelope | None]):
-        self.fleet = fleet
+    def __init__(self, envelope: RequestEnvelope, replies: asyncio.Queue[ChunkEnvelope | None],
+                 registry: WorkerRegistry, end: Callable[[Run], asyncio.Task]):
         self.envelope = envelope
         self.request_id = envelope.request_id
         self._replies = replies
+        self._registry = registry
+        self._end = end  # the owner's ending: close the route, unregister (cancel first if unended)
         self.finished = False
         self.closed = False
         self.closed_at = 0.0
+        self.cancel_reason: str | None = None  # set by `close` if the run had not ended
+        self.grant: Grant | None = None  # its API key's limits and usage (gateway/ratelimit.py), if it has one
+        self.ending: asyncio.Task | None = None  # the unregistering, once the owner began it
+        self.unreachable = False  # Redis failed while registering it: nothing to unregister
         self.worker_id = ""
         self._next_seq = 0
-        self.grant: Grant | None = None  # its API key's limits and usage (gateway/ratelimit.py), if it has one
         self._lease = 0  # the newest lease of the request heard from (`ChunkEnvelope.lease`)
 
     async def chunks(self) -> AsyncIterator[GenerationChunk]:
@@ -102,7 +110,7 @@ class Run:
         if time.time() >= deadline:
             self.close(reason="deadline")
             raise ServiceUnavailable("The request timed out before the model answered.", code="request_timeout")
-        if self.worker_id and not self.fleet.registry.is_live(self.worker_id):
+        if self.worker_id and not self._registry.is_live(self.worker_id):
             self.close(reason="worker_lost")
             raise WorkerLost("The worker generating this response stopped; retry the request.")
         if self._unclaimed_past_queue_deadline():
@@ -116,7 +124,7 @@ class Run:
         itself if it is stale, and one that has started it may be in a long prefill."""
         queue_deadline = self.envelope.queue_deadline
         return (not self.worker_id and queue_deadline > 0 and time.time() >= queue_deadline + DEADLINE_GRACE_S
-                and not self.fleet.registry.serves(self.envelope.model))
+                and not self._registry.serves(self.envelope.model))
 
     async def first_or_error(self) -> tuple[GenerationChunk, AsyncIterator[GenerationChunk]]:
         """Wait for the first chunk; raise the worker's error if the request failed at once."""
@@ -126,25 +134,22 @@ class Run:
             raise error_from_info(first.error)
         return first, stream
 
-    def close(self, reason: str = "disconnect") -> asyncio.Task | None:
-        """Stop following the request; if it has not ended, cancel it on its worker. Returns the
-        background task that unregisters it (None if it was closed already)."""
+    def close(self, reason: str = "disconnect") -> None:
+        """Stop following the request; if it has not ended, `reason` is the cause of its cancel."""
         if self.closed:
-            return None
+            return
         self.closed = True
-        self.fleet.router.close(self.request_id)
-        cancel = None if self.finished else reason
+        self.cancel_reason = None if self.finished else reason
         self.finished = True
         self.closed_at = time.time()
-        return self.fleet.after_run(self, cancel)
 
     async def release(self) -> None:
-        """Close a run whose answer is complete, and wait until it is unregistered, before the
+        """End a run whose answer is complete, and wait until it is unregistered, before the
         client can read the end of the answer: a cancel sent right after it must find nothing
-        (and say 0 cancelled), which the background unregistering alone can lose to a fast client.
-        """
-        if self.finished and (unregistering := self.close()) is not None:
-            await asyncio.shield(unregistering)  # done even if the client goes away now
+        (and say 0 cancelled), which the owner's background unregistering alone can lose to a
+        fast client."""
+        if self.finished:
+            await asyncio.shield(self._end(self))  # done even if the client goes away now
 
 
 class Fleet:
@@ -207,8 +212,25 @@ class Fleet:
         except (RedisError, OSError):
             return False
 
-    async def submit(self, envelope: RequestEnvelope) -> Run:
-        """Register the request and queue it for its model's workers; return its `Run`."""
+    @asynccontextmanager
+    async def submit(self, envelope: RequestEnvelope) -> AsyncIterator[Run]:
+        """The one owner of a request's life here: `async with fleet.submit(envelope) as run:`
+        opens its reply route, registers it and queues it for its model's workers; on the way
+        out, on every path (an error, a cancel at any await, a client gone), it closes the route
+        and unregisters it, cancelling it on its worker first if it had not ended."""
+        self._check_open(envelope)
+        grant = await self.limits.admit(envelope)  # its key's limits (404, 429), before anything is registered
+        envelope.reply_to = self.router.stream
+        run = Run(envelope, self.router.open(envelope.request_id), self.registry, self._end)
+        run.grant = grant  # released by the run's ending, on every path
+        try:
+            await self._queue(run)
+            yield run
+        finally:
+            run.close()
+            self._end(run)
+
+    def _check_open(self, envelope: RequestEnvelope) -> None:
         if self.draining:
             raise ServiceUnavailable("This gateway is shutting down; retry on another replica.")
         self.registry.check_kind(envelope.model, envelope.kind)
@@ -217,31 +239,33 @@ class Fleet:
         if self.router.open_requests >= self.settings.max_open_requests:
             raise Overloaded(f"This gateway is following its maximum of {self.settings.max_open_requests} "
                              "requests; retry shortly.", retry_after=1)
-        grant = await self.limits.admit(envelope)  # its key's limits (404, 429), before anything is registered
-        envelope.reply_to = self.router.stream
-        replies = self.router.open(envelope.request_id)
-        run = Run(self, envelope, replies)
-        run.grant = grant  # released when the run closes, or below if it is never returned
+
+    async def _queue(self, run: Run) -> None:
+        """Register the run and queue its request. A run that surely was not queued (the queue
+        was full) is marked finished, so that its ending does not send a needless cancel; a cancel
+        in the middle leaves it unfinished: it may have been queued, and its ending cancels it."""
+        envelope = run.envelope
         try:
             if await self.cancels.register(envelope.request_id, envelope.cancel_id, self._ttl(envelope)):
-                replies.put_nowait(ChunkEnvelope(envelope.request_id, 0, [_cancelled_before_start(envelope)]))
-                return run
+                run._replies.put_nowait(ChunkEnvelope(envelope.request_id, 0, [_cancelled_before_start(envelope)]))
+                return
             await self._enqueue(envelope)
         except (RedisError, OSError) as exc:
-            self.router.close(envelope.request_id)  # its registration keys expire on their own
-            self._spawn(self.limits.release(grant))
+            run.finished = run.unreachable = True  # nothing to unregister: its keys expire on their own
             raise ServiceUnavailable("The request queue is unreachable; try again shortly.") from exc
-        except Overloaded:
-            self.router.close(envelope.request_id)
-            self._spawn(self.limits.release(grant))
-            await self.cancels.finish(envelope.request_id, envelope.cancel_id, 1)
-            raise
-        except BaseException:
-            self.router.close(envelope.request_id)
-            self._spawn(self.limits.release(grant))
+        except Overloaded:  # the queue was full: not queued
+            run.finished = True
             raise
         metrics.SUBMITTED.labels(envelope.model).inc()
-        return run
+
+    def _end(self, run: Run) -> asyncio.Task:
+        """Close the run's route and unregister it (cancelling it first if it had not ended), in
+        the background, since callers are often being cancelled themselves. Once per run."""
+        if run.ending is None:
+            run.close()
+            self.router.close(run.request_id)
+            run.ending = self._spawn(self._unregister(run))
+        return run.ending
 
     def _cancel_slow_client(self, request_id: str) -> None:
         metrics.SLOW_CLIENTS.inc()
@@ -269,17 +293,13 @@ class Fleet:
     def _ttl(envelope: RequestEnvelope) -> int:
         return max(1, math.ceil(envelope.deadline - time.time())) + 5
 
-    def after_run(self, run: Run, cancel_reason: str | None) -> asyncio.Task:
-        """Unregister a closed run, cancelling it first if it had not ended; in the background,
-        since callers are often being cancelled themselves."""
-        return self._spawn(self._after_run(run, cancel_reason))
-
-    async def _after_run(self, run: Run, cancel_reason: str | None) -> None:
+    async def _unregister(self, run: Run) -> None:
         try:
-            if cancel_reason is not None:
+            if (cancel_reason := run.cancel_reason) is not None:
                 await self.cancels.cancel_requests([run.request_id], cancel_reason, run.closed_at)
                 metrics.CANCELS.labels(cancel_reason).inc()
-            await self.cancels.finish(run.request_id, run.envelope.cancel_id, self._ttl(run.envelope))
+            if not run.unreachable:
+                await self.cancels.finish(run.request_id, run.envelope.cancel_id, self._ttl(run.envelope))
         except (RedisError, OSError) as exc:
             log.warning("unregistering request %s failed: %s", run.request_id, exc)
         await self.limits.release(run.grant)

@@ -24,6 +24,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
 from typing import Any
 
 import orjson
@@ -235,27 +236,29 @@ async def serve_generation(request: Request, fleet: Fleet, envelope: RequestEnve
 
         return await serve_resumable(request, fleet, envelope, formatter)
     started = time.monotonic()
-    run = await fleet.submit(envelope)
-    metrics.OPEN_STREAMS.inc()
-    try:
-        first, rest = await race_disconnect(request, run.first_or_error())
-    except BaseException as exc:
-        finish_run(run, envelope, formatter, started, exc)
-        if isinstance(exc, FleetError) and exc.in_stream and envelope.stream:
-            # The engine's server had begun its stream (vLLM checks some parameters only when the
-            # engine starts): 200, then the error as an event, as `vllm serve` answers.
-            return StreamingResponse(iter(EventWriter(formatter).error_frames(exc)), media_type="text/event-stream")
-        if isinstance(exc, FleetError):
-            return formatter.error_response(exc)
-        if isinstance(exc, ClientDisconnected):
-            return Response(status_code=499)  # nobody is listening; the run is cancelled
-        raise
-    record_first_token(first, envelope)
-    if envelope.stream:
-        return StreamingResponse(_sse_body(run, envelope, EventWriter(formatter), first, rest, started),
-                                 media_type="text/event-stream")
-    await run.release()
-    finish_run(run, envelope, formatter, started, None)
+    async with AsyncExitStack() as owner:
+        run = await owner.enter_async_context(fleet.submit(envelope))
+        metrics.OPEN_STREAMS.inc()
+        try:
+            first, rest = await race_disconnect(request, run.first_or_error())
+        except BaseException as exc:
+            finish_run(run, envelope, formatter, started, exc)
+            if isinstance(exc, FleetError) and exc.in_stream and envelope.stream:
+                # The engine's server had begun its stream (vLLM checks some parameters only when the
+                # engine starts): 200, then the error as an event, as `vllm serve` answers.
+                return StreamingResponse(iter(EventWriter(formatter).error_frames(exc)),
+                                         media_type="text/event-stream")
+            if isinstance(exc, FleetError):
+                return formatter.error_response(exc)
+            if isinstance(exc, ClientDisconnected):
+                return Response(status_code=499)  # nobody is listening; the run is cancelled
+            raise
+        record_first_token(first, envelope)
+        if envelope.stream:  # the stream's body owns the run from here (`owner.pop_all()`)
+            return StreamingResponse(_sse_body(owner.pop_all(), run, envelope, EventWriter(formatter), first, rest,
+                                               started), media_type="text/event-stream")
+        await run.release()
+        finish_run(run, envelope, formatter, started, None)
     if first.error is not None:
         return formatter.error_response(error_from_info(first.error))
     _count_tokens(first, envelope)
@@ -357,19 +360,21 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-async def _sse_body(run: Run, envelope: RequestEnvelope, writer: EventWriter, first: GenerationChunk,
-                    rest: AsyncIterator[GenerationChunk], started: float) -> AsyncIterator[bytes]:
+async def _sse_body(owner: AsyncExitStack, run: Run, envelope: RequestEnvelope, writer: EventWriter,
+                    first: GenerationChunk, rest: AsyncIterator[GenerationChunk],
+                    started: float) -> AsyncIterator[bytes]:
     error: BaseException | None = None
-    try:
-        async for frames in stream_frames(run, envelope, writer, first, rest):
-            if frames:
-                yield b"".join(frames)
-        error = writer.error
-    except BaseException as exc:  # the client went away: close the run, which cancels it
-        error = exc
-        raise
-    finally:
-        finish_run(run, envelope, writer.formatter, started, error)
+    async with owner:  # `Fleet.submit`'s ending, on every way out of the stream
+        try:
+            async for frames in stream_frames(run, envelope, writer, first, rest):
+                if frames:
+                    yield b"".join(frames)
+            error = writer.error
+        except BaseException as exc:  # the client went away: close the run, which cancels it
+            error = exc
+            raise
+        finally:
+            finish_run(run, envelope, writer.formatter, started, error)
 
 
 def record_first_token(chunk: GenerationChunk, envelope: RequestEnvelope) -> None:

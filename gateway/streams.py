@@ -33,6 +33,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack
 
 from fastapi import APIRouter, Request
 from redis.exceptions import RedisError
@@ -152,15 +153,17 @@ class DetachedRun:
     async def start(self) -> None:
         """Submit the request and open its log; return once it is queued, the relay running."""
         started = time.monotonic()
-        run = await self.fleet.submit(self.envelope)
-        if self.log is not None:
-            try:
-                await self.log.open(self._ttl_while_running())
-            except (RedisError, OSError) as exc:
-                run.close()  # cancels it: nobody could read it
-                raise ServiceUnavailable("The request queue is unreachable; try again shortly.") from exc
-        self.fleet.detached[self.response_id] = self
-        self.task = asyncio.create_task(self._relay(run, started), name=f"detached {self.response_id}")
+        async with AsyncExitStack() as owner:  # on an error or a cancel here, the run's ending cancels it
+            run = await owner.enter_async_context(self.fleet.submit(self.envelope))
+            if self.log is not None:
+                try:
+                    await self.log.open(self._ttl_while_running())
+                except (RedisError, OSError) as exc:  # nobody could read it
+                    raise ServiceUnavailable("The request queue is unreachable; try again shortly.") from exc
+            self.fleet.detached[self.response_id] = self
+            # From here the relay owns the run: its `finally` ends it (`owner.aclose()`).
+            self.task = asyncio.create_task(self._relay(owner.pop_all(), run, started),
+                                            name=f"detached {self.response_id}")
         if self.reader_grace_s is not None:
             self._watching = asyncio.create_task(self._cancel_when_unread(self.reader_grace_s))
 
@@ -169,7 +172,7 @@ class DetachedRun:
         if self.task is not None:
             self.task.cancel()
 
-    async def _relay(self, run: Run, started: float) -> None:
+    async def _relay(self, owner: AsyncExitStack, run: Run, started: float) -> None:
         metrics.OPEN_STREAMS.inc()
         error: BaseException | None = None
         try:
@@ -188,6 +191,7 @@ class DetachedRun:
             raise
         finally:
             finish_run(run, self.envelope, self.writer.formatter, started, error)
+            await owner.aclose()  # `Fleet.submit`'s ending (the cancel of an unended run) before the log's
             await self._end(error)
 
     async def _first(self, run: Run) -> tuple[GenerationChunk, AsyncIterator[GenerationChunk]]:

@@ -20,11 +20,8 @@ async def _ask_worker(kind: str, body: TokenizerRequest, request: Request) -> Re
     fleet = request.app.state.fleet
     view = await fleet.registry.resolve(body.model)
     envelope = new_envelope(await request_json(request), kind, view.name, fleet.settings)
-    run = await fleet.submit(envelope)
-    try:
+    async with fleet.submit(envelope) as run:
         answer, _ = await run.first_or_error()
-    finally:
-        run.close()
     return json_response(answer.result)
 
 

@@ -252,10 +252,7 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> Response:
     """The prompt's tokens, counted by a worker's tokenizer from the chat request it would render."""
     fleet = request.app.state.fleet
     view = await fleet.registry.resolve(body.model)
-    run = await fleet.submit(new_envelope(body.tokenize_body(view.name), "tokenize", view.name, fleet.settings))
-    try:
+    async with fleet.submit(new_envelope(body.tokenize_body(view.name), "tokenize", view.name, fleet.settings)) as run:
         answer, _ = await run.first_or_error()
-    finally:
-        run.close()
     count = answer.result["count"]
     return json_response({"input_tokens": count, "context_management": {"original_input_tokens": count}})

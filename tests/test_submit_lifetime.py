@@ -1,0 +1,127 @@
+"""One owner for a request's life (issue #13): `async with fleet.submit(envelope) as run:` opens,
+registers and queues the request, and on every way out closes its reply route and unregisters it.
+
+The gateway's side runs in the test process on a real Redis. Each await of a submit is parked in
+turn (before and after the real call) and the submit is cancelled there, as a client that hangs
+up at that moment cancels its handler: the route must be closed, the `run:{id}` key gone, the
+cancel_id set left with no member for the request, and a request that may have been queued must
+be cancelled (its `cancelled:{id}` stash), so that no worker runs it for nobody.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+
+import pytest
+
+from gateway.fleet import Fleet, GatewaySettings
+from shared import keys
+from shared.envelopes import RequestEnvelope, SamplingOptions
+from tests.procs import wait_for
+
+pytestmark = pytest.mark.integration
+
+# The awaits of a submit, by the attribute of the fleet each one calls.
+AWAITS = ["cancels.register", "_enqueue"]
+
+
+@contextlib.asynccontextmanager
+async def gateway(redis_url: str):
+    fleet = Fleet(GatewaySettings(redis_url=redis_url))
+    await fleet.start()
+    try:
+        await asyncio.wait_for(fleet.router.connected.wait(), 10)
+        yield fleet
+    finally:
+        await fleet.stop()
+
+
+def envelope(model: str) -> RequestEnvelope:
+    now = time.time()
+    return RequestEnvelope(
+        request_id=uuid.uuid4().hex, model=model, kind="chat", reply_to="", arrival=now, deadline=now + 60,
+        queue_deadline=now + 60, body={"messages": [{"role": "user", "content": "hello"}]},
+        params=SamplingOptions(max_tokens=5), batch_replies=True, cancel_id=uuid.uuid4().hex)
+
+
+def park(owner, name: str, when: str, parked: asyncio.Event) -> None:
+    """Replace `owner.name` by a call that stops for good before or after the real one."""
+    real = getattr(owner, name)
+
+    async def parked_call(*args, **kwargs):
+        result = None
+        if when == "after":
+            result = await real(*args, **kwargs)
+        parked.set()
+        await asyncio.Event().wait()  # until cancelled
+        return result
+
+    setattr(owner, name, parked_call)
+
+
+def left_behind(redis_client, fleet: Fleet, request: RequestEnvelope) -> list[str]:
+    found = []
+    if fleet.router.open_requests:
+        found.append(f"{fleet.router.open_requests} open routes")
+    if redis_client.exists(keys.run_key(request.request_id)):
+        found.append("run key")
+    if redis_client.sismember(keys.cancel_id_key(request.cancel_id), request.request_id):
+        found.append("cancel_id registration")
+    return found
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("step", AWAITS)
+async def test_a_submit_cancelled_at_any_await_leaves_nothing_behind(redis_url, redis_client, step, when):
+    model = f"life-{uuid.uuid4().hex[:8]}"
+    request = envelope(model)
+    async with gateway(redis_url) as fleet:
+        owner, _, name = step.rpartition(".")
+        parked = asyncio.Event()
+        park(getattr(fleet, owner) if owner else fleet, name, when, parked)
+
+        async def client():
+            async with fleet.submit(request):
+                raise AssertionError("a parked submit never gets here")
+
+        task = asyncio.create_task(client())
+        await asyncio.wait_for(parked.wait(), 10)
+        assert fleet.router.open_requests == 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.wait_for(asyncio.gather(*fleet._tasks), 10)  # the unregistering, in the background
+        assert left_behind(redis_client, fleet, request) == []
+        queued = step == "_enqueue" and when == "after"
+        if queued:  # in the stream with nobody to read its answer: cancelled before a worker takes it
+            assert redis_client.get(keys.cancelled_key(request.request_id)) == b"disconnect"
+
+
+async def test_every_way_out_of_the_block_ends_the_run(redis_url, redis_client):
+    model = f"life-{uuid.uuid4().hex[:8]}"
+    async with gateway(redis_url) as fleet:
+        for way_out in ("return", "error", "cancel"):
+            request = envelope(model)
+
+            async def client():
+                async with fleet.submit(request) as run:
+                    assert fleet.router.open_requests == 1 and redis_client.exists(keys.run_key(run.request_id))
+                    if way_out == "error":
+                        raise ValueError("the handler failed")
+                    if way_out == "cancel":
+                        await asyncio.Event().wait()
+
+            task = asyncio.create_task(client())
+            if way_out == "cancel":
+                await asyncio.to_thread(wait_for, lambda: redis_client.exists(keys.run_key(request.request_id)), 10,
+                                        "the run to be registered")
+                task.cancel()
+            with contextlib.suppress(ValueError, asyncio.CancelledError):
+                await task
+            await asyncio.wait_for(asyncio.gather(*fleet._tasks), 10)
+            assert left_behind(redis_client, fleet, request) == [], way_out
+            # An unended run is cancelled on its worker, whatever the way out.
+            assert redis_client.get(keys.cancelled_key(request.request_id)) == b"disconnect", way_out
