@@ -8,7 +8,7 @@ door sets it from an API key. Three phases, one run, the same workers:
 1. idle: the light tenant alone, one request a second;
 2. fair share: the heavy tenant queues HEAVY requests at once, and the light tenant sends one
    a second while they drain;
-3. FIFO: phase 2 again with `--fair-share false` (arrival order, as before fair share).
+3. FIFO: phase 2 again with `--no-fair-share` (arrival order, as before fair share).
 
 Queue wait is the worker's own figure (from the gateway's arrival time to the worker's claim,
 `timings.queue_s`; one machine, one clock). Goal (issue #14): the light tenant's p99 under the
@@ -156,7 +156,7 @@ def section(result: dict) -> list[str]:
             (f"`python -m bench.fair_share`: {result['workers']} scripted workers of {result['slots']} slots, each "
              f"request {result['service_tokens']} tokens at {result['tokens_per_second']} tokens/s; a heavy tenant "
              "queues its requests all at once, a light tenant sends one a second while they drain. Queue wait is "
-             "the worker's (arrival at the gateway to the claim). FIFO is the same fleet with `--fair-share false`. "
+             "the worker's (arrival at the gateway to the claim). FIFO is the same fleet with `--no-fair-share`. "
              "The gateway's side runs in the benchmark's process, tenants set as the API-key check sets them."),
             "", table(result), "", "![fair share](fair_share.png)", "", analysis(result)]
 

@@ -226,7 +226,7 @@ async def test_queued_tickets_keep_cancels_queue_timeouts_and_the_backlog_bound(
 async def test_real_keys_over_two_gateways_are_served_in_turn_and_by_priority(redis_url, redis_client, model):
     """End to end: managed keys (`llmfleet keys create --priority`), gateways that require them."""
     worker = start_worker(redis_url, model, "--scripted-tokens-per-second", "20", "--max-concurrency", "1")
-    gateways = [start_gateway(redis_url, "--require-keys", "true") for _ in range(2)]
+    gateways = [start_gateway(redis_url, "--require-keys") for _ in range(2)]
     (_, heavy), (_, light), (_, vip) = (create_key(redis_url, "--priority", p) for p in ("normal", "normal", "high"))
     finished: list[str] = []
     try:
