@@ -26,7 +26,7 @@ from gateway.settings import GatewaySettings
 from shared import fair_queue, redis_pool
 from shared.codec import encode
 from shared.envelopes import Candidate, ChunkEnvelope, GenerationChunk, RequestEnvelope, Usage
-from shared.errors import Overloaded, ServiceUnavailable, WorkerLost, error_from_info
+from shared.errors import FleetError, InvalidRequest, Overloaded, ServiceUnavailable, WorkerLost, error_from_info
 from shared.redis_batch import BatchedRedis
 from shared.stopping import stop_tasks, within
 
@@ -253,7 +253,7 @@ class Fleet:
         except (RedisError, OSError) as exc:
             run.finished = run.unreachable = True  # nothing to unregister: its keys expire on their own
             raise ServiceUnavailable("The request queue is unreachable; try again shortly.") from exc
-        except Overloaded:  # the queue was full: not queued
+        except FleetError:  # the queue was full, or the envelope could not be encoded: not queued
             run.finished = True
             raise
         metrics.SUBMITTED.labels(envelope.model).inc()
@@ -278,9 +278,14 @@ class Fleet:
         view = self.registry.models.get(envelope.model)
         slots = view.capacity if view else 0
         tenant = envelope.tenant if self.settings.fair_share else ""
+        try:
+            data = encode(envelope)
+        except OverflowError as exc:  # JSON allows any integer, msgpack none beyond 64 bits
+            raise InvalidRequest("The request holds an integer outside the 64-bit range, which cannot be "
+                                 "served.") from exc
         accepted, depth = await self._enqueue_script(
             keys=fair_queue.enqueue_keys(envelope.model, tenant, envelope.priority),
-            args=fair_queue.enqueue_args(self.settings.max_queue + slots, encode(envelope), bool(tenant)))
+            args=fair_queue.enqueue_args(self.settings.max_queue + slots, data, bool(tenant)))
         if not accepted:
             backlog = max(1, depth - slots)
             rate = view.drain_rate if view else 0.0

@@ -83,6 +83,9 @@ class ResponsesRequest(OpenAIModel):
         """vLLM's ResponsesRequest checks, with its messages (before the schema, as vLLM runs them)."""
         if not isinstance(data, dict):
             return data
+        for name in ECHOED_FIELDS:
+            if _has_wide_integer(data.get(name)):
+                raise FieldRuleError(f"`{name}` holds an integer outside the 64-bit range", param=name)
         if data.get("background") and not data.get("store", True):
             raise FieldRuleError("background can only be used when `store` is true", param="background")
         if data.get("prompt") is not None:
@@ -115,6 +118,21 @@ class ResponsesRequest(OpenAIModel):
         if self.resumable and not self.stream:
             raise FieldRuleError("`resumable` needs `stream: true`: only a stream can be resumed.", param="resumable")
         return self
+
+
+# Free-form fields the Response echoes back as they came: an integer JSON allows but no 64-bit
+# encoder writes would fail the answer (a 500), so it is refused up front instead.
+ECHOED_FIELDS = ("tools", "tool_choice", "text", "reasoning")
+
+
+def _has_wide_integer(value: Any) -> bool:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return not -(2**63) <= value < 2**64
+    if isinstance(value, dict):
+        return any(_has_wide_integer(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_has_wide_integer(v) for v in value)
+    return False
 
 
 def _check_item(item: dict[str, Any]) -> None:
