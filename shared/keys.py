@@ -200,6 +200,7 @@ def tenant_turns(model: str, priority: str, new: bool = False) -> str:
 def bound_requests(model: str) -> str:
     return f"{PREFIX}:bound:{_tag(model)}"
 
+
 # Managed API keys (gateway/keys.py) and their limits and usage (gateway/ratelimit.py). A key's
 # name is its tag: its rate windows, requests in flight and usage live on one node.
 API_KEY_RECORD_PATTERN = f"{PREFIX}:key:*"
