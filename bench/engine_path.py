@@ -173,7 +173,8 @@ class Backends(contextlib.ExitStack):
         worker = self._own(start_worker(redis.url, str(model_dir), *ENGINE_ARGS, "--max-concurrency", "256",
                                         engine="vllm", served_name=MODEL, env={**ENGINE_ENV, **(env or {})},
                                         timeout=600))
-        gateway = self._own(start_gateway(redis.url, env=env))
+        # vLLM's client splits SSE naively: it cannot read `id:` lines, so none are written.
+        gateway = self._own(start_gateway(redis.url, env={**(env or {}), "LLMFLEET_SSE_EVENT_IDS": "false"}))
         wait_until_served(gateway, MODEL, timeout=60)
         urls[name] = gateway.url
         self.frontends[name] = [worker.pid, gateway.pid, redis.pid]

@@ -86,6 +86,8 @@ class _Connection(asyncio.Protocol):
     def _event(self, event: bytes) -> None:
         result = self._result
         result.events += 1
+        # `data: ...` then `id: N` (every event carries its index, for resuming): the data line.
+        event = event.split(b"\n", 1)[0]
         if event == b"data: [DONE]":
             self._finished = True
             return

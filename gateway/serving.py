@@ -246,8 +246,8 @@ async def serve_generation(request: Request, fleet: Fleet, envelope: RequestEnve
             if isinstance(exc, FleetError) and exc.in_stream and envelope.stream:
                 # The engine's server had begun its stream (vLLM checks some parameters only when the
                 # engine starts): 200, then the error as an event, as `vllm serve` answers.
-                return StreamingResponse(iter(EventWriter(formatter).error_frames(exc)),
-                                         media_type="text/event-stream")
+                frames = EventWriter(formatter, fleet.settings.sse_event_ids).error_frames(exc)
+                return StreamingResponse(iter(frames), media_type="text/event-stream")
             if isinstance(exc, FleetError):
                 return formatter.error_response(exc)
             if isinstance(exc, ClientDisconnected):
@@ -255,7 +255,8 @@ async def serve_generation(request: Request, fleet: Fleet, envelope: RequestEnve
             raise
         record_first_token(first, envelope)
         if envelope.stream:  # the stream's body owns the run from here (`owner.pop_all()`)
-            return StreamingResponse(_sse_body(owner.pop_all(), run, envelope, EventWriter(formatter), first, rest,
+            writer = EventWriter(formatter, fleet.settings.sse_event_ids)
+            return StreamingResponse(_sse_body(owner.pop_all(), run, envelope, writer, first, rest,
                                                started), media_type="text/event-stream")
         await run.release()
         finish_run(run, envelope, formatter, started, None)
@@ -276,8 +277,9 @@ class EventWriter:
     closes the frame (`data: {...}\\nid: 3\\n\\n`): the event's own lines come first, as before ids.
     """
 
-    def __init__(self, formatter: Formatter):
+    def __init__(self, formatter: Formatter, ids: bool = True):
         self.formatter = formatter
+        self.ids = ids  # off (--no-sse-event-ids): frames as `vllm serve` writes them, not resumable
         self.next_id = 0
         self.terminal: GenerationChunk | None = None  # set by `stream_frames` when it comes
         # What ended a stream after its first byte (a timeout, a lost worker): set by
@@ -301,6 +303,8 @@ class EventWriter:
         return self.frames(self.formatter.error_events(error)) + self.end_frames()
 
     def _frame(self, encoded: bytes) -> bytes:
+        if not self.ids:
+            return encoded
         frame = encoded[:-1] + b"id: %d\n\n" % self.next_id  # every encoded event ends with a blank line
         self.next_id += 1
         return frame

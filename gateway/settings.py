@@ -50,6 +50,9 @@ class GatewaySettings:
     open_paths: tuple[str, ...] = setting(("/health", "/ready", "/metrics"), "Comma-separated paths answered "
                                           "without a key.")
     rate_window_s: float = setting(60.0, "Seconds over which a key's --rpm and --tpm limits count.")
+    sse_event_ids: bool = setting(True, "Give every SSE event an `id:` line (its index), as resuming needs. Off: "
+                                  "frames exactly as `vllm serve` writes them, for clients that read SSE naively "
+                                  "(`vllm bench serve`); resumable requests keep their ids.")
     gateway_id: str = ""
 
     def __post_init__(self) -> None:

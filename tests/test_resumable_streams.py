@@ -316,3 +316,23 @@ def test_a_responses_stream_is_resumed_on_the_other_replica(gateways, model):
     assert stored["status"] == "incomplete" and stored["output"] == final["response"]["output"]
     answer = httpx.post(f"{gateways[0].url}/v1/responses", json={**body, "stream": False})
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "resumable"
+
+
+def test_without_event_ids_the_frames_are_vllm_serves(redis_url: str) -> None:
+    """--no-sse-event-ids: no `id:` lines (naive SSE readers such as `vllm bench serve`'s), except
+    on a resumable stream, which needs them."""
+    model = "no-ids-model"
+    worker = start_worker(redis_url, model)
+    gateway = start_gateway(redis_url, "--no-sse-event-ids")
+    try:
+        wait_until_served(gateway, model)
+        body = {"model": model, "messages": [{"role": "user", "content": "a b c"}], "max_tokens": 3, "stream": True}
+        plain = httpx.post(f"{gateway.url}/v1/chat/completions", json=body, timeout=30).text
+        frames = [frame for frame in plain.split("\n\n") if frame]
+        assert frames[-1] == "data: [DONE]" and len(frames) >= 4
+        assert all(frame.startswith("data: ") and "\n" not in frame for frame in frames), plain
+        resumable = httpx.post(f"{gateway.url}/v1/chat/completions", json=body | {"resumable": True}, timeout=30).text
+        assert [frame.split("\n")[-1] for frame in resumable.split("\n\n") if frame][:2] == ["id: 0", "id: 1"]
+    finally:
+        gateway.stop()
+        worker.stop()
