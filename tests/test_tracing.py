@@ -87,3 +87,41 @@ def test_without_an_exporter_there_is_no_tracing(traced) -> None:
     # The untraced gateway sent no traceparent: the worker (which traces, and writes its spans
     # before it answers) made none for it.
     assert [s for s in _spans(files / "worker.jsonl")[before:] if s["context"]["trace_id"] == f"0x{'1' * 32}"] == []
+
+
+def test_stage_spans_with_the_sdks_in_memory_exporter() -> None:
+    """The spans shared.tracing makes, read back from the SDK's in-memory exporter: the worker's
+    generate/prefill/decode join the gateway's trace with the measured times."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from shared import tracing
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    before, tracing._tracer = tracing._tracer, provider.get_tracer("test")
+    try:
+        request = tracing.start_request_span("POST /v1/chat/completions",
+                                             [(b"traceparent", f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01".encode())])
+        with tracing.use(request):
+            traceparent = tracing.current_traceparent()
+        timings = {"queue_s": 0.5, "prefill_s": 0.25, "decode_s": 1.0, "finished_at": 1000.0}
+        tracing.worker_generation(traceparent, timings, {"llmfleet.model": "m", "llmfleet.worker": None})
+        tracing.gateway_stages(request, 998.0, timings, 1000.125)
+        request.end()
+    finally:
+        tracing._tracer = before
+    spans = {span.name: span for span in exporter.get_finished_spans()}
+    assert set(spans) == {"POST /v1/chat/completions", "generate", "prefill", "decode", "queue", "relay"}
+    assert {span.context.trace_id for span in spans.values()} == {int(CLIENT_TRACE, 16)}
+    request_id, generate_id = spans["POST /v1/chat/completions"].context.span_id, spans["generate"].context.span_id
+    assert spans["POST /v1/chat/completions"].parent.span_id == int(CLIENT_SPAN, 16)
+    assert {name: spans[name].parent.span_id for name in ("generate", "queue", "relay", "prefill", "decode")} == {
+        "generate": request_id, "queue": request_id, "relay": request_id, "prefill": generate_id,
+        "decode": generate_id}
+    seconds = {name: (span.end_time - span.start_time) / 1e9 for name, span in spans.items()}
+    assert {name: seconds[name] for name in ("queue", "prefill", "decode", "relay")} == pytest.approx(
+        {"queue": 0.5, "prefill": 0.25, "decode": 1.0, "relay": 0.125})
+    assert dict(spans["generate"].attributes) == {"llmfleet.model": "m"}
