@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.procs import metric_value, start_gateway, start_worker, wait_until_served
+from tests.procs import metric_value, start_gateway, start_redis, start_worker, wait_until_served
 
 pytestmark = pytest.mark.integration
 
@@ -29,15 +29,18 @@ SERIES = {
 
 
 @pytest.fixture(scope="module")
-def fleet(redis_url: str):
-    worker = start_worker(redis_url, MODEL)
-    doomed = start_worker(redis_url, DOOMED_MODEL, "--scripted-tokens-per-second", "20")
-    gateway = start_gateway(redis_url, "--models", IDLE_MODEL, "--queue-timeout", "0.5",
+def fleet():
+    # A Redis of its own: the requests that wait out their queue timeout, and the one whose worker
+    # is killed, stay in their streams, which the session Redis's leftover checks would count.
+    redis = start_redis()
+    worker = start_worker(redis.url, MODEL)
+    doomed = start_worker(redis.url, DOOMED_MODEL, "--scripted-tokens-per-second", "20")
+    gateway = start_gateway(redis.url, "--models", IDLE_MODEL, "--queue-timeout", "0.5",
                             "--max-body-bytes", "20000")
     for model in (MODEL, DOOMED_MODEL):
         wait_until_served(gateway, model)
     yield gateway, doomed
-    for proc in (gateway, worker, doomed):
+    for proc in (gateway, worker, doomed, redis):
         proc.stop()
 
 
