@@ -21,13 +21,15 @@ non-streaming one races the generation against the client's `http.disconnect`. E
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack
 from typing import Any
 
 import orjson
+from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
@@ -35,9 +37,10 @@ from gateway import accounting, metrics, tenancy
 from gateway.errors import fleet_error_body, fleet_error_response, json_response
 from gateway.fleet import Fleet, GatewaySettings, Run
 from gateway.protocol import GenerationRequest
+from gateway.registry import ModelView
+from shared import tracing
 from shared.envelopes import GenerationChunk, RequestEnvelope, SamplingOptions, Usage
 from shared.errors import FleetError, error_from_info
-from shared import tracing
 from shared.logs import REQUEST_ID
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -199,6 +202,29 @@ def request_timings(terminal: GenerationChunk, arrival: float) -> dict[str, floa
     return {"queue_s": worker.get("queue_s"), "prefill_s": worker.get("prefill_s"), "decode_s": decode,
             "relay_s": max(0.0, now - finished_at) if finished_at else None, "total_s": now - arrival,
             "completion_tokens_per_s": tokens / decode if decode else None}
+
+
+# A family's part of a generation route: from the validated body (and the request, for its raw
+# body) and the model's view, the envelope to queue and the formatter of the answer.
+Prepare = Callable[[Any, Request, ModelView, GatewaySettings], Awaitable[tuple[RequestEnvelope, "Formatter"]]]
+
+
+def generation_route(router: APIRouter, path: str, body_model: type, prepare: Prepare) -> None:
+    """Add `POST path`, the route every generation family shares: validate the body as
+    `body_model`, resolve its model, let the family `prepare` the envelope and formatter, serve.
+    A family differs in its request model and its `prepare` only, never in a copied route."""
+    async def create(body, request: Request) -> Response:
+        fleet = request.app.state.fleet
+        view = await fleet.registry.resolve(body.model)
+        envelope, formatter = await prepare(body, request, view, fleet.settings)
+        return await serve_generation(request, fleet, envelope, formatter, resumable=body.resumable)
+
+    keyword = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    create.__signature__ = inspect.Signature(  # what FastAPI validates and documents
+        [inspect.Parameter("body", keyword, annotation=body_model), inspect.Parameter("request", keyword,
+                                                                                       annotation=Request)],
+        return_annotation=Response)
+    router.add_api_route(path, create, methods=["POST"], name=f"create {body_model.__name__}")
 
 
 async def request_json(request: Request) -> dict[str, Any]:

@@ -31,7 +31,8 @@ from gateway.anthropic.protocol import CountTokensRequest, MessagesRequest
 from gateway.errors import json_response
 from gateway.fleet import GatewaySettings
 from gateway.protocol import check_sampling
-from gateway.serving import Formatter, new_envelope, serve_generation
+from gateway.registry import ModelView
+from gateway.serving import Formatter, generation_route, new_envelope
 from shared.envelopes import Candidate, GenerationChunk, RequestEnvelope, ToolCallDelta, Usage
 from shared.errors import FleetError
 
@@ -239,12 +240,13 @@ def messages_envelope(body: MessagesRequest, model: str, max_model_len: int,
     return new_envelope(body.chat_body(model), "chat", model, settings, body=body, params=params)
 
 
-@router.post("/v1/messages")
-async def create_message(body: MessagesRequest, request: Request) -> Response:
-    fleet = request.app.state.fleet
-    view = await fleet.registry.resolve(body.model)
-    envelope = messages_envelope(body, view.name, view.max_model_len, fleet.settings)
-    return await serve_generation(request, fleet, envelope, MessagesFormatter(envelope), resumable=body.resumable)
+async def prepare(body: MessagesRequest, _request: Request, view: ModelView,
+                  settings: GatewaySettings) -> tuple[RequestEnvelope, MessagesFormatter]:
+    envelope = messages_envelope(body, view.name, view.max_model_len, settings)
+    return envelope, MessagesFormatter(envelope)
+
+
+generation_route(router, "/v1/messages", MessagesRequest, prepare)
 
 
 @router.post("/v1/messages/count_tokens")

@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
-from starlette.responses import Response
 
 from gateway.fleet import GatewaySettings
 from gateway.protocol import ChatCompletionRequest, check_sampling
-from gateway.serving import Formatter, new_envelope, request_json, serve_generation, usage_body
+from gateway.registry import ModelView
+from gateway.serving import Formatter, generation_route, new_envelope, request_json, usage_body
 from shared.envelopes import Candidate, GenerationChunk, RequestEnvelope, ToolCallDelta
 
 router = APIRouter()
@@ -111,10 +111,10 @@ def chat_envelope(body: ChatCompletionRequest, raw: dict[str, Any], model: str, 
     return new_envelope(raw, "chat", model, settings, body=body, params=params)
 
 
-@router.post("/v1/chat/completions")
-async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-    fleet = request.app.state.fleet
-    view = await fleet.registry.resolve(body.model)
-    envelope = chat_envelope(body, await request_json(request), view.name, view.max_model_len, fleet.settings)
-    return await serve_generation(request, fleet, envelope, ChatFormatter(body, envelope),
-                                  resumable=body.resumable)
+async def prepare(body: ChatCompletionRequest, request: Request, view: ModelView,
+                  settings: GatewaySettings) -> tuple[RequestEnvelope, ChatFormatter]:
+    envelope = chat_envelope(body, await request_json(request), view.name, view.max_model_len, settings)
+    return envelope, ChatFormatter(body, envelope)
+
+
+generation_route(router, "/v1/chat/completions", ChatCompletionRequest, prepare)

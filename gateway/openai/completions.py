@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
-from starlette.responses import Response
 
 from gateway.fleet import GatewaySettings
 from gateway.protocol import CompletionRequest, check_sampling
-from gateway.serving import Formatter, new_envelope, request_json, serve_generation, usage_body
+from gateway.registry import ModelView
+from gateway.serving import Formatter, generation_route, new_envelope, request_json, usage_body
 from shared.envelopes import GenerationChunk, RequestEnvelope
 
 router = APIRouter()
@@ -47,11 +47,10 @@ def completion_envelope(body: CompletionRequest, raw: dict[str, Any], model: str
     return new_envelope(raw, "completion", model, settings, body=body, params=params)
 
 
-@router.post("/v1/completions")
-async def create_completion(body: CompletionRequest, request: Request) -> Response:
-    fleet = request.app.state.fleet
-    view = await fleet.registry.resolve(body.model)
-    envelope = completion_envelope(body, await request_json(request), view.name, view.max_model_len,
-                                   fleet.settings)
-    return await serve_generation(request, fleet, envelope, CompletionFormatter(body, envelope),
-                                  resumable=body.resumable)
+async def prepare(body: CompletionRequest, request: Request, view: ModelView,
+                  settings: GatewaySettings) -> tuple[RequestEnvelope, CompletionFormatter]:
+    envelope = completion_envelope(body, await request_json(request), view.name, view.max_model_len, settings)
+    return envelope, CompletionFormatter(body, envelope)
+
+
+generation_route(router, "/v1/completions", CompletionRequest, prepare)
