@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from shared import keys
-from tests.conftest import leftover_keys
+from tests.conftest import SCRIPTED_MODEL, leftover_keys
 from tests.procs import metric_value, server_clients, start_gateway, start_worker, wait_for, wait_until_served
 
 pytestmark = pytest.mark.integration
@@ -393,3 +393,16 @@ def test_disconnect_during_prefill(redis_url, gateways):
         assert _cancels(worker, cause="disconnect", phase="prefill") == 1
     finally:
         worker.stop()
+
+
+def test_a_timeout_that_runs_out_in_the_queue_ends_like_any_deadline(scripted_fleet):
+    """A client's own `timeout` that passes before a worker starts the request: finish_reason
+    cancelled, stop_reason deadline (as a run cut by its deadline), never a 5xx."""
+    gateway = scripted_fleet[0][0]
+    body = {"model": SCRIPTED_MODEL, "messages": [{"role": "user", "content": "late"}], "timeout": 1e-9}
+    whole = httpx.post(f"{gateway.url}/v1/chat/completions", json=body, timeout=30)
+    assert whole.status_code == 200, whole.text
+    choice = whole.json()["choices"][0]
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("cancelled", "deadline")
+    streamed = httpx.post(f"{gateway.url}/v1/chat/completions", json=body | {"stream": True}, timeout=30)
+    assert streamed.status_code == 200 and '"finish_reason":"cancelled"' in streamed.text

@@ -43,6 +43,13 @@ def _request(fleet: Fleet) -> RequestEnvelope:
                            arrival=0.0, stream=True, batch_replies=True)
 
 
+def _run(fleet: Fleet, request: RequestEnvelope) -> Run:
+    """A run followed on the fleet's reply stream, outside `Fleet.submit` (nothing is queued:
+    the tests publish its replies themselves), with nothing to do at its end."""
+    return Run(request, fleet.router.open(request.request_id), fleet.registry,
+               end=lambda _run: asyncio.ensure_future(asyncio.sleep(0)))
+
+
 def _publisher(redis: aioredis.Redis, worker_id: str, request: RequestEnvelope, lease: int) -> ReplyPublisher:
     publisher = ReplyPublisher(redis, worker_id)
     publisher.hold(request.request_id, lease)
@@ -65,7 +72,7 @@ async def test_chunks_of_the_lease_a_worker_lost_are_dropped_after_the_takeover(
     redis = aioredis.Redis.from_url(redis_url)
     async with _gateway(redis_url) as fleet:
         request = _request(fleet)
-        run = Run(fleet, request, fleet.router.open(request.request_id))
+        run = _run(fleet, request)
         victim = _publisher(redis, "victim", request, OLD_LEASE)
         rescuer = _publisher(redis, "rescuer", request, NEW_LEASE)
         stale_before = metrics.STALE_REPLIES._value.get()
@@ -88,7 +95,7 @@ async def test_a_takeover_after_the_first_output_ends_the_response_with_an_error
     redis = aioredis.Redis.from_url(redis_url)
     async with _gateway(redis_url) as fleet:
         request = _request(fleet)
-        run = Run(fleet, request, fleet.router.open(request.request_id))
+        run = _run(fleet, request)
         victim = _publisher(redis, "victim", request, OLD_LEASE)
         rescuer = _publisher(redis, "rescuer", request, NEW_LEASE)
         async with running(victim, rescuer):

@@ -81,6 +81,12 @@ class RequestConsumer:
         self._slot_freed = asyncio.Event()
         self._stop_claiming = asyncio.Event()  # `stop()`: claim nothing more
         self._stop_loops = asyncio.Event()  # the drain is over: heartbeat, cancels and leases end
+        # Every per-model series exists from the start, at 0, so that a rate sees the first event
+        # (a series born at 1 shows no increase) and dashboards show 0 rather than nothing.
+        for family in (metrics.QUEUE_TIME, metrics.GENERATED_TOKENS, metrics.POISON_MESSAGES, metrics.CANCELS_FROM_STASH,
+                       metrics.TOKENS_AFTER_CANCEL, metrics.QUEUE_TIMEOUTS, metrics.CANCEL_LATENCY, metrics.RECLAIMED,
+                       metrics.PREFILL_TIME, metrics.DECODE_TIME):
+            family.labels(self.model)
         self.leases = Leases(self.batched, self.worker_id)
         self.cancels = CancelFollower(redis, self.model, self._running, self._cancel_requested,
                                       lambda rid, cause, sent_at: self._spawn(self.cancel(rid, cause, sent_at)))
@@ -323,6 +329,11 @@ class RequestConsumer:
                 f"The worker that took this request serves only {', '.join(self.kinds)} requests of "
                 f"`{self.model}`, not {request.kind}; retry the request.", code="kind_not_served"))
         waited = time.time() - request.arrival
+        if request.deadline and time.time() > request.deadline:  # the client's own `timeout` ran out
+            metrics.CANCELS.labels(self.model, "deadline", "queued").inc()
+            terminal = _cancelled_terminal(request)
+            _mark_deadline(terminal)
+            return terminal
         if request.queue_deadline and time.time() > request.queue_deadline:
             metrics.QUEUE_TIMEOUTS.labels(self.model).inc()
             return _error_terminal(ServiceUnavailable(
