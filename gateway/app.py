@@ -11,15 +11,15 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from gateway import fleet_routes, streams, tokenizer_routes
-from gateway.anthropic import messages as anthropic_messages
-from gateway.openai import chat as openai_chat
-from gateway.openai import completions as openai_completions
-from gateway.openai import responses as openai_responses
 from gateway.accounting import CountResponses
+from gateway.anthropic import messages as anthropic_messages
 from gateway.errors import install_error_handlers
 from gateway.fleet import Fleet, GatewaySettings
 from gateway.keys import FrontDoor
 from gateway.limits import BodySizeLimit
+from gateway.openai import chat as openai_chat
+from gateway.openai import completions as openai_completions
+from gateway.openai import responses as openai_responses
 
 
 def create_app(settings: GatewaySettings | None = None) -> FastAPI:

@@ -241,7 +241,7 @@ class RateLimits:
         if not any(unsent) and not release:
             return
         window, prompt, completion = unsent
-        requests_key, tokens_key, in_flight = redis_keys.rate_keys(grant.key.name)
+        _requests, tokens_key, in_flight = redis_keys.rate_keys(grant.key.name)
         await self._settle(keys=[tokens_key, redis_keys.usage_key(grant.key.name), in_flight],
                            args=[self.window_s, redis_keys.RATE_SLOTS, window, grant.model, prompt, completion,
                                  redis_keys.USAGE_TTL_S, grant.request_id if release else ""])

@@ -41,8 +41,15 @@ from starlette.responses import Response, StreamingResponse
 
 from gateway import metrics
 from gateway.fleet import DEADLINE_GRACE_S, Fleet, Run
-from gateway.serving import (ClientDisconnected, EventWriter, Formatter, finish_run, race_disconnect,
-                             record_first_token, stream_frames)
+from gateway.serving import (
+    ClientDisconnected,
+    EventWriter,
+    Formatter,
+    finish_run,
+    race_disconnect,
+    record_first_token,
+    stream_frames,
+)
 from shared import keys
 from shared.envelopes import GenerationChunk, RequestEnvelope
 from shared.errors import FleetError, InvalidRequest, NotFound, ServiceUnavailable, error_from_info
