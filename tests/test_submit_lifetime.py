@@ -18,11 +18,25 @@ import uuid
 import pytest
 
 from gateway.fleet import Fleet, GatewaySettings
-from shared import keys
+from shared import keys, redis_pool
 from shared.envelopes import RequestEnvelope, SamplingOptions
-from tests.procs import wait_for
+from tests.procs import start_redis, wait_for
 
 pytestmark = pytest.mark.integration
+
+
+# A Redis of this module's own: its requests are queued for models no worker serves, and stay in
+# their streams, which the session Redis's leftover checks in later tests would count.
+@pytest.fixture(scope="module")
+def redis_url():
+    redis = start_redis()
+    yield redis.url
+    redis.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_client(redis_url):
+    return redis_pool.connect_sync(redis_url)
 
 # The awaits of a submit, by the attribute of the fleet each one calls.
 AWAITS = ["cancels.register", "_enqueue"]
