@@ -23,32 +23,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import sys
 import time
 import uuid
 
 from bench.common import RESULTS, Stack, percentile, progress, save
-from gateway.fleet import Fleet, GatewaySettings
+from gateway.fleet import Fleet
 from shared.envelopes import RequestEnvelope, SamplingOptions
-from tests.procs import start_worker
+from tests.procs import in_process_fleet, start_worker
 from tests.test_fair_share import submitted
 
 MODEL = "fair-share-bench"
 WORKERS, SLOTS = 2, 4
 TOKENS_PER_SECOND, SERVICE_TOKENS = 50, 10
 HEAVY = 1000
-
-
-@contextlib.asynccontextmanager
-async def gateway(redis_url: str, fair_share: bool):
-    fleet = Fleet(GatewaySettings(redis_url=redis_url, fair_share=fair_share, max_queue=HEAVY * 2))
-    await fleet.start()
-    try:
-        await asyncio.wait_for(fleet.router.connected.wait(), 10)
-        yield fleet
-    finally:
-        await fleet.stop()
 
 
 async def one_request(fleet: Fleet, tenant: str) -> dict:
@@ -69,7 +57,7 @@ async def one_request(fleet: Fleet, tenant: str) -> dict:
 async def phase(redis_url: str, name: str, fair_share: bool, heavy: int, light: int) -> dict:
     """The light tenant's `light` requests, one a second, beside `heavy` requests queued at once."""
     sys.stderr.write(f"  {name}: {heavy} heavy requests at once, {light} light ones at 1/s\n")
-    async with gateway(redis_url, fair_share) as fleet:
+    async with in_process_fleet(redis_url, fair_share=fair_share, max_queue=HEAVY * 2) as fleet:
         started = time.monotonic()
         heavy_tasks = [asyncio.create_task(one_request(fleet, "heavy")) for _ in range(heavy)]
         light_tasks = []

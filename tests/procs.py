@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -231,3 +233,18 @@ def metric_value(url: str, name: str, **labels: str) -> float:
         if all(f'{k}="{v}"' in line for k, v in labels.items()):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+@contextlib.asynccontextmanager
+async def in_process_fleet(redis_url: str, **settings):
+    """A gateway's `Fleet` running in this process (no HTTP), its reply stream read, for tests and
+    benchmarks that drive `Fleet.submit` themselves; stopped on exit."""
+    from gateway.fleet import Fleet, GatewaySettings
+
+    fleet = Fleet(GatewaySettings(redis_url=redis_url, **settings))
+    await fleet.start()
+    try:
+        await asyncio.wait_for(fleet.router.connected.wait(), 10)
+        yield fleet
+    finally:
+        await fleet.stop()

@@ -16,28 +16,17 @@ import uuid
 import httpx
 import pytest
 
-from gateway.fleet import Fleet, GatewaySettings, Run
+from gateway.fleet import Fleet, Run
 from shared import keys
 from shared.envelopes import GenerationChunk, RequestEnvelope, SamplingOptions
 from shared.errors import Overloaded
 from tests.conftest import leftover_keys
-from tests.procs import start_gateway, start_worker, wait_for
+from tests.procs import in_process_fleet, start_gateway, start_worker, wait_for
 from tests.test_keys import create_key
 
 pytestmark = pytest.mark.integration
 
 TOKENS_PER_SECOND = 100  # a 5-token request takes 50 ms
-
-
-@contextlib.asynccontextmanager
-async def gateway(redis_url: str, **settings):
-    fleet = Fleet(GatewaySettings(redis_url=redis_url, **settings))
-    await fleet.start()
-    try:
-        await asyncio.wait_for(fleet.router.connected.wait(), 10)
-        yield fleet
-    finally:
-        await fleet.stop()
 
 
 @pytest.fixture
@@ -125,7 +114,7 @@ def model_keys_left(redis_client, model: str) -> list[str]:
 
 async def light_position(redis_url: str, redis_client, model: str, fair_share: bool) -> int:
     """Where a light tenant's one request is served among a heavy tenant's 20 queued before it."""
-    async with gateway(redis_url, fair_share=fair_share) as fleet:
+    async with in_process_fleet(redis_url, fair_share=fair_share) as fleet:
         heavy = [envelope(model, "heavy") for _ in range(20)]
         runs = await submit_all(fleet, heavy[:1])
         await wait_running(redis_client, heavy[0])
@@ -156,7 +145,7 @@ async def test_a_light_tenant_is_served_in_turn_not_behind_a_heavy_tenants_backl
 async def test_high_is_served_before_normal_before_low(redis_url, redis_client, model):
     worker = one_slot_worker(redis_url, model)
     try:
-        async with gateway(redis_url) as fleet:
+        async with in_process_fleet(redis_url) as fleet:
             blocker = envelope(model, "first", max_tokens=50)  # 0.5 s: the others queue behind it
             runs = await submit_all(fleet, [blocker])
             await wait_running(redis_client, blocker)
@@ -175,7 +164,7 @@ async def test_a_dead_workers_tickets_run_their_own_requests_on_another_worker(r
     victim = start_worker(redis_url, model, *slow)
     rescuer = None
     try:
-        async with gateway(redis_url) as fleet:
+        async with in_process_fleet(redis_url) as fleet:
             requests = [envelope(model, f"t{i % 2}", max_tokens=10, words=f"request {i}") for i in range(6)]
             runs = await submit_all(fleet, requests)
             await asyncio.to_thread(wait_for, lambda: redis_client.hlen(keys.bound_requests(model)) == 4, 20,
@@ -197,7 +186,7 @@ async def test_a_dead_workers_tickets_run_their_own_requests_on_another_worker(r
 
 
 async def test_queued_tickets_keep_cancels_queue_timeouts_and_the_backlog_bound(redis_url, redis_client, model):
-    async with gateway(redis_url, max_queue=3) as fleet:
+    async with in_process_fleet(redis_url, max_queue=3) as fleet:
         # No worker yet: the bound counts tickets as it counts envelopes.
         blocker = envelope(model, "a", max_tokens=50)
         cancelled, stale = envelope(model, "b"), envelope(model, "c", queue_timeout_s=0.2)

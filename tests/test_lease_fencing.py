@@ -8,34 +8,22 @@ these tests place the stale writes exactly where a partition can put them.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import uuid
 
 import pytest
 import redis.asyncio as aioredis
 
 from gateway import metrics
-from gateway.fleet import Fleet, GatewaySettings, Run
+from gateway.fleet import Fleet, Run
 from shared import keys
 from shared.codec import decode
 from shared.envelopes import ChunkEnvelope, GenerationChunk, RequestEnvelope
 from shared.errors import WorkerLost
-from tests.procs import free_port
+from tests.procs import free_port, in_process_fleet
 from tests.test_reply_path import running
 from worker.publisher import ReplyPublisher
 
 OLD_LEASE, NEW_LEASE = 1_000, 2_000
-
-
-@contextlib.asynccontextmanager
-async def _gateway(redis_url: str):
-    fleet = Fleet(GatewaySettings(redis_url=redis_url))
-    await fleet.start()
-    try:
-        await asyncio.wait_for(fleet.router.connected.wait(), 5)
-        yield fleet
-    finally:
-        await fleet.stop()
 
 
 def _request(fleet: Fleet) -> RequestEnvelope:
@@ -70,7 +58,7 @@ async def _next_text(chunks) -> str:
 
 async def test_chunks_of_the_lease_a_worker_lost_are_dropped_after_the_takeover(redis_url: str) -> None:
     redis = aioredis.Redis.from_url(redis_url)
-    async with _gateway(redis_url) as fleet:
+    async with in_process_fleet(redis_url) as fleet:
         request = _request(fleet)
         run = _run(fleet, request)
         victim = _publisher(redis, "victim", request, OLD_LEASE)
@@ -93,7 +81,7 @@ async def test_chunks_of_the_lease_a_worker_lost_are_dropped_after_the_takeover(
 
 async def test_a_takeover_after_the_first_output_ends_the_response_with_an_error(redis_url: str) -> None:
     redis = aioredis.Redis.from_url(redis_url)
-    async with _gateway(redis_url) as fleet:
+    async with in_process_fleet(redis_url) as fleet:
         request = _request(fleet)
         run = _run(fleet, request)
         victim = _publisher(redis, "victim", request, OLD_LEASE)

@@ -17,10 +17,10 @@ import uuid
 
 import pytest
 
-from gateway.fleet import Fleet, GatewaySettings
+from gateway.fleet import Fleet
 from shared import keys, redis_pool
 from shared.envelopes import RequestEnvelope, SamplingOptions
-from tests.procs import start_redis, wait_for
+from tests.procs import in_process_fleet, start_redis, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -40,17 +40,6 @@ def redis_client(redis_url):
 
 # The awaits of a submit, by the attribute of the fleet each one calls.
 AWAITS = ["cancels.register", "_enqueue"]
-
-
-@contextlib.asynccontextmanager
-async def gateway(redis_url: str):
-    fleet = Fleet(GatewaySettings(redis_url=redis_url))
-    await fleet.start()
-    try:
-        await asyncio.wait_for(fleet.router.connected.wait(), 10)
-        yield fleet
-    finally:
-        await fleet.stop()
 
 
 def envelope(model: str) -> RequestEnvelope:
@@ -92,7 +81,7 @@ def left_behind(redis_client, fleet: Fleet, request: RequestEnvelope) -> list[st
 async def test_a_submit_cancelled_at_any_await_leaves_nothing_behind(redis_url, redis_client, step, when):
     model = f"life-{uuid.uuid4().hex[:8]}"
     request = envelope(model)
-    async with gateway(redis_url) as fleet:
+    async with in_process_fleet(redis_url) as fleet:
         owner, _, name = step.rpartition(".")
         parked = asyncio.Event()
         park(getattr(fleet, owner) if owner else fleet, name, when, parked)
@@ -116,7 +105,7 @@ async def test_a_submit_cancelled_at_any_await_leaves_nothing_behind(redis_url, 
 
 async def test_every_way_out_of_the_block_ends_the_run(redis_url, redis_client):
     model = f"life-{uuid.uuid4().hex[:8]}"
-    async with gateway(redis_url) as fleet:
+    async with in_process_fleet(redis_url) as fleet:
         for way_out in ("return", "error", "cancel"):
             request = envelope(model)
 
