@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import httpx
@@ -77,7 +78,7 @@ def test_hostile_input(scripted_fleet, redis_client, name, request_kwargs, statu
         if sizes[-1] - sizes[-2] < 4 * 1024 * 1024:
             break
     else:
-        growth = [(after - before) // 2**20 for before, after in zip(sizes, sizes[1:], strict=False)]
+        growth = [(after - before) // 2**20 for before, after in itertools.pairwise(sizes)]
         raise AssertionError(f"the gateway grew in every window of {window} requests: {growth} MiB")
     client.close()
     assert httpx.get(f"{gateway.url}/health").status_code == 200
