@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from gateway import fleet_routes, streams, tokenizer_routes
+from gateway import fleet_routes, sessions, streams, tokenizer_routes
 from gateway.accounting import CountResponses
 from gateway.anthropic import messages as anthropic_messages
 from gateway.errors import install_error_handlers
@@ -48,5 +48,6 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.include_router(streams.router)
     app.include_router(fleet_routes.router)
     app.include_router(tokenizer_routes.router)
+    app.include_router(sessions.router)
 
     return app

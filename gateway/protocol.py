@@ -192,6 +192,10 @@ class ChatCompletionRequest(GenerationRequest):
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # Extensions (gateway/sessions.py), never forwarded to the engine: the turn continues this
+    # stored session; `discard_thinking` keeps the turn's reasoning out of what is stored.
+    session_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    discard_thinking: bool = True
 
     @model_validator(mode="after")
     def _chat_rules(self) -> ChatCompletionRequest:

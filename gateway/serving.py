@@ -209,15 +209,25 @@ def request_timings(terminal: GenerationChunk, arrival: float) -> dict[str, floa
 Prepare = Callable[[Any, Request, ModelView, GatewaySettings], Awaitable[tuple[RequestEnvelope, "Formatter"]]]
 
 
-def generation_route(router: APIRouter, path: str, body_model: type, prepare: Prepare) -> None:
+# How a family serves what `prepare` made: `serve_body` unless it wraps it (chat's sessions).
+Serve = Callable[[Any, Request, Fleet, RequestEnvelope, "Formatter"], Awaitable[Response]]
+
+
+async def serve_body(body: Any, request: Request, fleet: Fleet, envelope: RequestEnvelope,
+                     formatter: Formatter) -> Response:
+    return await serve_generation(request, fleet, envelope, formatter, resumable=body.resumable)
+
+
+def generation_route(router: APIRouter, path: str, body_model: type, prepare: Prepare,
+                     serve: Serve = serve_body) -> None:
     """Add `POST path`, the route every generation family shares: validate the body as
     `body_model`, resolve its model, let the family `prepare` the envelope and formatter, serve.
-    A family differs in its request model and its `prepare` only, never in a copied route."""
+    A family differs in its request model, its `prepare` and its `serve` only, never in a copied route."""
     async def create(body, request: Request) -> Response:
         fleet = request.app.state.fleet
         view = await fleet.registry.resolve(body.model)
         envelope, formatter = await prepare(body, request, view, fleet.settings)
-        return await serve_generation(request, fleet, envelope, formatter, resumable=body.resumable)
+        return await serve(body, request, fleet, envelope, formatter)
 
     keyword = inspect.Parameter.POSITIONAL_OR_KEYWORD
     create.__signature__ = inspect.Signature(  # what FastAPI validates and documents

@@ -41,6 +41,13 @@ class GatewaySettings:
     response_store_ttl_s: float = setting(24 * 3600.0, "Seconds a stored Response is kept.")
     response_store_max_entries: int = setting(10_000, "Stored Responses kept at most; the oldest go first.")
     response_store_max_bytes: int = setting(1024 * 1024, "A larger Response is not stored.")
+    session_ttl_s: float = setting(24 * 3600.0, "Seconds a session (POST /v1/sessions) is kept after its last turn.")
+    session_max_messages: int = setting(1000, "Messages a session holds at most; a turn past it gets a 400.")
+    session_max_bytes: int = setting(1024 * 1024, "Bytes of messages a session holds at most (checked before "
+                                     "each turn); a turn past it gets a 400.")
+    max_sessions: int = setting(10_000, "Sessions kept at most; the least recently used go first.")
+    snapshot_ttl_s: float = setting(7 * 24 * 3600.0, "Seconds a session snapshot is kept.")
+    max_snapshots: int = setting(1000, "Session snapshots kept at most; the oldest go first.")
     fair_share: bool = setting(True, "Serve the tenants (API keys) of one priority in turn when a model's queue is "
                                "contended; false: in arrival order.")
     api_key: str = setting("", "A key every API request must present (Authorization: Bearer KEY, or x-api-key), "

@@ -4,6 +4,7 @@
     ├── InvalidRequest              400  the request can never succeed as sent
     ├── ModelNotFound               404  no worker has served this model recently
     ├── NotFound                    404  a kept thing (a stream's events) is unknown or gone
+    ├── Conflict                    409  a kept thing exists already, or is busy (a session's turn)
     ├── Overloaded                  429  queue or in-flight limit reached; retry later
     ├── ServiceUnavailable          503  no live worker, Redis down, queue timeout, draining
     ├── WorkerLost                  502  the worker running the request vanished
@@ -65,6 +66,11 @@ class ModelNotFound(FleetError):
 class NotFound(FleetError):
     status = 404
     code = "not_found"
+
+
+class Conflict(FleetError):
+    status = 409
+    code = "conflict"
 
 
 class Overloaded(FleetError):

@@ -66,6 +66,20 @@ part of the name. `<...>` is a placeholder.
 |                                      |         | entry past its deadline is dropped)      |
 | llmfleet:usage:{<name>}              | hash    | TTL USAGE_TTL_S, refreshed; requests and |
 |                                      |         | tokens per model (one field per counter) |
+| llmfleet:session:{<session_id>}      | hash    | TTL: the gateway's session TTL, renewed  |
+|                                      |         | by each turn; a session's facts          |
+|                                      |         | (gateway/sessions.py)                    |
+| llmfleet:session:{<session_id>}      | list    | TTL: as its session; one JSON message    |
+|   :messages                          |         | each, at most the session's max messages |
+|                                      |         | and bytes (checked before each turn)     |
+| llmfleet:session:{<session_id>}:turn | string  | TTL: the turn's deadline; the one turn   |
+|                                      |         | running, deleted when it is stored       |
+| llmfleet:sessions:{sessions}         | zset    | TTL: the session TTL, refreshed; by last |
+|                                      |         | use, at most the max sessions (the least |
+|                                      |         | recently used evicted, with their keys)  |
+| llmfleet:snapshot:{<snapshot_id>}    | hash    | TTL: the snapshot TTL; a saved transcript|
+| llmfleet:snapshots:{snapshots}       | zset    | TTL: the snapshot TTL, refreshed; at most|
+|                                      |         | the max snapshots (oldest evicted)       |
 
 The keys that share a slot, and the operation that needs it:
 - `{<model>}`: a poison entry's XADD to the dead letters, XACK and XDEL, in order on one node;
@@ -77,6 +91,8 @@ The keys that share a slot, and the operation that needs it:
 - `{workers}`: the registry's MGET of every heartbeat.
 - `{<name>}` (an API key's): the admission and settling scripts of its limits and usage
   (`gateway/ratelimit.py`).
+- `{<session_id>}`: the session scripts (`gateway/sessions.py`): a turn's lock, its end (the
+  messages appended and the lock released in one step), rollback and a snapshot's load.
 Commands on keys of different tags share pipelines, never a command or a script.
 """
 
@@ -225,3 +241,19 @@ def rate_keys(name: str) -> list[str]:
 
 def usage_key(name: str) -> str:
     return f"{PREFIX}:usage:{_tag(name)}"
+
+
+# Sessions and their snapshots (gateway/sessions.py): a session's keys share its id's tag, so
+# its scripts run on one node.
+SESSION_INDEX = f"{PREFIX}:sessions:{{sessions}}"  # session ids by last use, for the bound
+SNAPSHOT_INDEX = f"{PREFIX}:snapshots:{{snapshots}}"  # snapshot ids by creation, for the bound
+
+
+def session_keys(session_id: str) -> list[str]:
+    """A session's facts, its messages and its running turn, in that order."""
+    base = f"{PREFIX}:session:{_tag(session_id)}"
+    return [base, base + ":messages", base + ":turn"]
+
+
+def snapshot_key(snapshot_id: str) -> str:
+    return f"{PREFIX}:snapshot:{_tag(snapshot_id)}"

@@ -6,11 +6,13 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from gateway import sessions
 from gateway.fleet import GatewaySettings
 from gateway.protocol import ChatCompletionRequest, check_sampling
 from gateway.registry import ModelView
 from gateway.serving import Formatter, generation_route, new_envelope, request_json, usage_body
 from shared.envelopes import Candidate, GenerationChunk, RequestEnvelope, ToolCallDelta
+from shared.errors import FleetError
 
 router = APIRouter()
 
@@ -103,6 +105,27 @@ class ChatFormatter(Formatter):
                 "token_ids": None, "routed_experts": None}
 
 
+class SessionChatFormatter(ChatFormatter):
+    """Chat's formatter for a turn of a session: it also keeps what choice 0 generated, streaming
+    or whole, for the session to store (gateway/sessions.py)."""
+
+    def __init__(self, request: ChatCompletionRequest, envelope: RequestEnvelope):
+        super().__init__(request, envelope)
+        self.turn = sessions.AssistantTurn()
+
+    def stream_events(self, chunk: GenerationChunk) -> list[dict[str, Any]]:
+        self.turn.add(chunk)
+        return super().stream_events(chunk)
+
+    def error_events(self, error: FleetError) -> list[dict[str, Any]]:
+        self.turn.fail()
+        return super().error_events(error)
+
+    def response(self, terminal: GenerationChunk) -> dict[str, Any]:
+        self.turn.take(terminal)
+        return super().response(terminal)
+
+
 def chat_envelope(body: ChatCompletionRequest, raw: dict[str, Any], model: str, max_model_len: int,
                   settings: GatewaySettings) -> RequestEnvelope:
     params = body.sampling_options(body.requested_max_tokens, body.logprobs_count, echo=False)
@@ -114,7 +137,7 @@ def chat_envelope(body: ChatCompletionRequest, raw: dict[str, Any], model: str, 
 async def prepare(body: ChatCompletionRequest, request: Request, view: ModelView,
                   settings: GatewaySettings) -> tuple[RequestEnvelope, ChatFormatter]:
     envelope = chat_envelope(body, await request_json(request), view.name, view.max_model_len, settings)
-    return envelope, ChatFormatter(body, envelope)
+    return envelope, (SessionChatFormatter if body.session_id else ChatFormatter)(body, envelope)
 
 
-generation_route(router, "/v1/chat/completions", ChatCompletionRequest, prepare)
+generation_route(router, "/v1/chat/completions", ChatCompletionRequest, prepare, serve=sessions.serve_chat)
