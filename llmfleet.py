@@ -130,12 +130,18 @@ def gateway(host: str, port: int, redis_url: str, **values) -> None:
         "default: none.")
 @option("scripted-tokens-per-second", default=0.0, type=float, help="Scripted engine pace (0: no pause).")
 @option("scripted-first-token-delay", default=0.0, type=float, help="Scripted engine delay, seconds.")
+@option("scripted-prefill-per-token", default=0.0, type=float, help="Scripted engine: seconds of prefill per "
+        "prompt token not in its simulated prefix cache (0: no cache, no prefill time).")
+@option("enable-prompt-tokens-details", is_flag=True, help="Report the prompt tokens found in the prefix cache "
+        "(usage.prompt_tokens_details.cached_tokens), as vllm serve's option of that name.")
+@option("steal-after-ms", default=20.0, type=float, help="With a free slot and nothing in its own or the model's "
+        "queue for this long, take the requests that have waited this long for another (busy) worker.")
 @option("kinds", default="", help="Comma-separated request kinds to accept (chat, completion, tokenize, "
         "detokenize); default: every kind the engine answers. Gateways queue no other kind for the model "
         "while no live worker accepts it.")
 def worker(model, engine, served_model_name, redis_url, max_concurrency, metrics_port, claim_idle, kinds,
-           scripted_tokens_per_second,
-           scripted_first_token_delay, chat_template, tool_call_parser, enable_auto_tool_choice, reasoning_parser,
+           steal_after_ms, scripted_tokens_per_second, scripted_first_token_delay, scripted_prefill_per_token,
+           enable_prompt_tokens_details, chat_template, tool_call_parser, enable_auto_tool_choice, reasoning_parser,
            **engine_options) -> None:
     """Run a worker that serves one model from the Redis queue."""
     import uvloop
@@ -147,7 +153,7 @@ def worker(model, engine, served_model_name, redis_url, max_concurrency, metrics
         from worker.scripted import ScriptedAdapter
 
         adapter = ScriptedAdapter(name, engine_options["max_model_len"] or 4096, scripted_tokens_per_second,
-                                  scripted_first_token_delay)
+                                  scripted_first_token_delay, scripted_prefill_per_token)
     else:
         from vllm import AsyncEngineArgs
 
@@ -162,13 +168,14 @@ def worker(model, engine, served_model_name, redis_url, max_concurrency, metrics
                                       **{k: v for k, v in engine_options.items() if v is not None})
         adapter = VLLMAdapter(engine_args, name, chat_template=_read(chat_template),
                               tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice,
-                              reasoning_parser=reasoning_parser)
+                              reasoning_parser=reasoning_parser,
+                              enable_prompt_tokens_details=enable_prompt_tokens_details)
     accepted = tuple(kind.strip() for kind in kinds.split(",") if kind.strip()) or adapter.kinds
     if unknown := set(accepted) - set(adapter.kinds):
         raise click.BadParameter(f"the {engine} engine cannot answer {', '.join(sorted(unknown))} requests; it "
                                  f"answers {', '.join(adapter.kinds)}", param_hint="--kinds")
     # uvloop, as `vllm serve` runs: the worker's loop relays every token of every request.
-    uvloop.run(serve(adapter, redis_url, max_concurrency, metrics_port, claim_idle, accepted))
+    uvloop.run(serve(adapter, redis_url, max_concurrency, metrics_port, claim_idle, accepted, steal_after_ms / 1000))
 
 
 def _read(path: str | None) -> str | None:

@@ -13,19 +13,19 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from redis.exceptions import RedisError
 
 from gateway import metrics
 from gateway.cancel import CancelRegistry
 from gateway.ratelimit import Grant, RateLimits
-from gateway.registry import WorkerRegistry
+from gateway.registry import ModelView, WorkerRegistry
 from gateway.relay import ReplyRouter
 from gateway.settings import GatewaySettings
-from shared import fair_queue, redis_pool
+from shared import affinity, fair_queue, keys, redis_pool
 from shared.codec import encode
-from shared.envelopes import Candidate, ChunkEnvelope, GenerationChunk, RequestEnvelope, Usage
+from shared.envelopes import Candidate, ChunkEnvelope, GenerationChunk, RequestEnvelope, Usage, WorkerInfo
 from shared.errors import FleetError, InvalidRequest, Overloaded, ServiceUnavailable, WorkerLost, error_from_info
 from shared.redis_batch import BatchedRedis
 from shared.stopping import stop_tasks, within
@@ -167,6 +167,7 @@ class Fleet:
         self.cancels = CancelRegistry(self.redis, settings.gateway_id)
         self.limits = RateLimits(self.batched, settings.rate_window_s)
         self._enqueue_script = self.batched.register_script(fair_queue.ENQUEUE)
+        self._route_script = self.batched.register_script(affinity.ROUTE)
         self.draining = False
         self._loops: list[asyncio.Task] = []
         self._tasks: set[asyncio.Task] = set()  # one-off jobs: the unregistering of runs, cancels
@@ -272,27 +273,52 @@ class Fleet:
         self._spawn(self.cancels.cancel_requests([request_id], "slow_client"))
 
     async def _enqueue(self, envelope: RequestEnvelope) -> None:
-        """XADD unless the model's queue is full (one script: the check and the add are atomic). A
-        tenant's request, with fair share on, is a ticket, its envelope in the tenant's queue."""
+        """Queue the request unless its model's queue is full (the check and the add are one script):
+        in its preferred worker's stream if it has an affinity key and that worker room
+        (`shared.affinity`), else in the model's stream, a tenant's request with fair share on as a
+        ticket, its envelope in the tenant's queue (`shared.fair_queue`)."""
         # The stream holds every unanswered request: those the workers' slots can run, then the queue.
         view = self.registry.models.get(envelope.model)
         slots = view.capacity if view else 0
-        tenant = envelope.tenant if self.settings.fair_share else ""
+        depth_limit = self.settings.max_queue + slots
         try:
             data = encode(envelope)
         except OverflowError as exc:  # JSON allows any integer, msgpack none beyond 64 bits
             raise InvalidRequest("The request holds an integer outside the 64-bit range, which cannot be "
                                  "served.") from exc
+        if candidates := self._preferred_workers(envelope, view):
+            chosen, depth = await self._route_script(
+                keys=affinity.route_keys(envelope.model, [keys.worker_stream(envelope.model, w.worker_id)
+                                                          for w in candidates]),
+                args=affinity.route_args(depth_limit, data, int(time.time() * 1000),
+                                         [affinity.waiting_allowance(w.capacity) for w in candidates]))
+            if chosen < 0:
+                self._overloaded(envelope.model, view, depth - slots)
+            metrics.AFFINITY.labels(envelope.model, ("shared", "preferred", "spilled")[min(chosen, 2)]).inc()
+            if chosen > 0:
+                return
+        tenant = envelope.tenant if self.settings.fair_share else ""
         accepted, depth = await self._enqueue_script(
             keys=fair_queue.enqueue_keys(envelope.model, tenant, envelope.priority),
-            args=fair_queue.enqueue_args(self.settings.max_queue + slots, data, bool(tenant)))
+            args=fair_queue.enqueue_args(depth_limit, data, bool(tenant)))
         if not accepted:
-            backlog = max(1, depth - slots)
-            rate = view.drain_rate if view else 0.0
-            retry_after = min(60.0, backlog / rate) if rate > 0 else 5.0
-            metrics.OVERLOADED.labels(envelope.model).inc()
-            raise Overloaded(f"The queue for `{envelope.model}` is full ({backlog} requests waiting); retry "
-                             f"in about {retry_after:.0f}s.", retry_after=retry_after)
+            self._overloaded(envelope.model, view, depth - slots)
+
+    def _preferred_workers(self, envelope: RequestEnvelope, view: ModelView | None) -> list[WorkerInfo]:
+        """The workers a request with an affinity key prefers, best first (none: no key, or affinity off)."""
+        if not self.settings.affinity or view is None or (key := affinity.key_of(envelope)) is None:
+            return []
+        workers = [w for w in view.workers if not w.draining and envelope.kind in w.kinds]
+        return affinity.ranked(key, workers)[: affinity.CANDIDATES]
+
+    @staticmethod
+    def _overloaded(model: str, view: ModelView | None, backlog: int) -> NoReturn:
+        backlog = max(1, backlog)
+        rate = view.drain_rate if view else 0.0
+        retry_after = min(60.0, backlog / rate) if rate > 0 else 5.0
+        metrics.OVERLOADED.labels(model).inc()
+        raise Overloaded(f"The queue for `{model}` is full ({backlog} requests waiting); retry "
+                         f"in about {retry_after:.0f}s.", retry_after=retry_after)
 
     @staticmethod
     def _ttl(envelope: RequestEnvelope) -> int:

@@ -17,6 +17,8 @@ RELAYED_TOKENS = Counter("llmfleet_gateway_completion_tokens_total", "Completion
 CANCELS = Counter("llmfleet_gateway_cancels_total", "Cancels sent to workers, by cause", ["cause"])
 OVERLOADED = Counter("llmfleet_gateway_overloaded_total", "Requests refused with 429: the model's queue was full",
                      ["model"])
+AFFINITY = Counter("llmfleet_gateway_affinity_total", "Requests with an affinity key, by where they were queued: "
+                   "their preferred worker, the next one (spilled), or the shared stream (no room)", ["model", "route"])
 SLOW_CLIENTS = Counter("llmfleet_gateway_slow_client_cancels_total",
                        "Requests cancelled because their client stopped reading")
 STALE_REPLIES = Counter("llmfleet_gateway_stale_replies_total", "Reply envelopes dropped because they came from a "

@@ -58,7 +58,9 @@ def usage_body(usage: Usage | None, details: bool = False) -> dict[str, Any]:
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "completion_tokens": usage.completion_tokens,
     }
-    if details:
+    if usage.cached_tokens is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": usage.cached_tokens}
+    elif details:
         body["prompt_tokens_details"] = None
     if usage.reasoning_tokens is not None:
         body["completion_tokens_details"] = {"reasoning_tokens": usage.reasoning_tokens}

@@ -50,6 +50,8 @@ class GatewaySettings:
     max_snapshots: int = setting(1000, "Session snapshots kept at most; the oldest go first.")
     fair_share: bool = setting(True, "Serve the tenants (API keys) of one priority in turn when a model's queue is "
                                "contended; false: in arrival order.")
+    affinity: bool = setting(True, "Send a long prompt's request to the worker that served its conversation (or "
+                             "prefix) before, whose cache holds it, while that worker has room (shared/affinity.py).")
     api_key: str = setting("", "A key every API request must present (Authorization: Bearer KEY, or x-api-key), "
                            "as vllm serve has it; off when empty.")
     require_keys: bool = setting(False, "Require a managed API key (llmfleet keys create) on every API request, "

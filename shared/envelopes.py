@@ -157,6 +157,7 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     reasoning_tokens: int | None = None
+    cached_tokens: int | None = None  # prompt tokens found in the engine's prefix cache, when it reports them
 
 
 @dataclass(slots=True)

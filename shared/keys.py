@@ -10,6 +10,18 @@ part of the name. `<...>` is a placeholder.
 |--------------------------------------|---------|------------------------------------------|
 | llmfleet:requests:{<model>}          | stream  | MAXLEN ~REQUEST_STREAM_MAXLEN; entries   |
 |                                      |         | are XDEL'd by the worker once answered   |
+| llmfleet:requests:{<model>}:worker:  | stream  | MAXLEN ~REQUEST_STREAM_MAXLEN, TTL       |
+|   <worker_id>                        |         | AFFINITY_STREAM_TTL_S refreshed by its   |
+|                                      |         | worker and every XADD; a worker's own    |
+|                                      |         | requests (shared/affinity.py), at most   |
+|                                      |         | its slots plus a few waiting             |
+| llmfleet:affinity:{<model>}:waiting  | zset    | TTL AFFINITY_STREAM_TTL_S, refreshed;    |
+|                                      |         | worker streams that may hold waiting     |
+|                                      |         | requests (one member per worker)         |
+| llmfleet:affinity:{<model>}:streams  | zset    | TTL AFFINITY_STREAM_TTL_S, refreshed;    |
+|                                      |         | worker stream -> its heartbeat's expiry  |
+|                                      |         | (one member per worker, dead ones        |
+|                                      |         | removed once their stream is empty)      |
 | llmfleet:dead-letter:{<model>}       | stream  | MAXLEN ~DEAD_LETTER_MAXLEN: envelopes no |
 |                                      |         | worker could decode, with the reason     |
 | llmfleet:model:{<model>}             | string  | TTL MODEL_MEMORY_TTL_S ("was served      |
@@ -84,7 +96,9 @@ part of the name. `<...>` is a placeholder.
 The keys that share a slot, and the operation that needs it:
 - `{<model>}`: a poison entry's XADD to the dead letters, XACK and XDEL, in order on one node;
   the fair-share scripts (`shared/fair_queue.py`), which add a ticket and queue its envelope, and
-  bind a claimed ticket to the envelope whose turn it is, in one step.
+  bind a claimed ticket to the envelope whose turn it is, in one step; the affinity scripts
+  (`shared/affinity.py`), which add to a worker's own stream or take another's waiting entries,
+  and a worker's one XREADGROUP of its own stream and its model's.
 - `{<request_id>}`: the worker's lease/cancel-stash/streamed check, and the one DEL of all three
   when the request ends.
 - `{<cancel_id>}`: the register, finish and cancel-by-id scripts (`gateway/cancel.py`).
@@ -129,6 +143,9 @@ BATCH_FIELD = b"b"
 # whose turn it is when a worker claims it (shared/fair_queue.py).
 TICKET_FIELD = b"t"
 FAIR_QUEUE_TTL_S = 24 * 3600  # of the tenant queues, turns and bindings; refreshed by every write
+# Of a worker's own stream and the affinity sets: a dead worker's stream is emptied by the others
+# long before (its waiting entries after a few milliseconds, its running ones after --claim-idle).
+AFFINITY_STREAM_TTL_S = 3600
 
 
 def _tag(value: str) -> str:
@@ -160,6 +177,18 @@ def reply_stream(gateway_id: str) -> str:
 
 
 WORKER_KEY_PATTERN = f"{PREFIX}:worker:{{workers}}:*"
+
+
+def worker_stream(model: str, worker_id: str) -> str:
+    return f"{request_stream(model)}:worker:{worker_id}"
+
+
+def affinity_waiting(model: str) -> str:
+    return f"{PREFIX}:affinity:{_tag(model)}:waiting"
+
+
+def affinity_streams(model: str) -> str:
+    return f"{PREFIX}:affinity:{_tag(model)}:streams"
 
 
 def worker_key(worker_id: str) -> str:

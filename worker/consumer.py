@@ -1,7 +1,9 @@
 """The worker's consumer loop: claims requests from its model's stream and runs them.
 
 A worker pulls: it asks the consumer group for at most as many requests as it has free slots,
-so work lands where there is room and no router has to guess load. Each claimed request runs
+so work lands where there is room and no router has to guess load. It reads its own stream first
+(requests sent to it for its cache, `shared/affinity.py`), then its model's, and when both are
+empty for `steal_after_s`, what has waited that long in other workers' own streams. Each claimed request runs
 as its own task; its chunks go to the `ReplyPublisher`. Cancels reach it by pub/sub and their
 stashes (`worker/cancels.py`) and the adapter as `abort(request_id)`. A heartbeat key tells the
 gateways what this worker serves and how busy it is; the same beat renews the leases of the
@@ -24,7 +26,7 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
-from shared import fair_queue, keys, tracing
+from shared import affinity, fair_queue, keys, tracing
 from shared.codec import decode, encode
 from shared.envelopes import Candidate, GenerationChunk, RequestEnvelope, Usage, WorkerInfo
 from shared.errors import EngineError, EnvelopeError, FleetError, ServiceUnavailable, WorkerLost
@@ -55,7 +57,8 @@ def new_worker_id() -> str:
 
 class RequestConsumer:
     def __init__(self, redis: aioredis.Redis, adapter: GenerationAdapter, max_concurrency: int,
-                 worker_id: str | None = None, claim_idle_s: float = 3.0, kinds: tuple[str, ...] = ()):
+                 worker_id: str | None = None, claim_idle_s: float = 3.0, kinds: tuple[str, ...] = (),
+                 steal_after_s: float = 0.02):
         self.redis = redis
         # The per-request commands (lease, dead letters) of every request go out in shared pipelines:
         # a claim of hundreds of requests is one round trip, not hundreds of connections.
@@ -68,7 +71,12 @@ class RequestConsumer:
         self.claim_idle_s = claim_idle_s
         self.worker_id = worker_id or new_worker_id()
         self.stream = keys.request_stream(self.model)
+        self.own_stream = keys.worker_stream(self.model, self.worker_id)
+        self.steal_after_s = steal_after_s
         self._bind = redis.register_script(fair_queue.BIND)
+        self._steal = redis.register_script(affinity.STEAL)
+        self._move = redis.register_script(affinity.MOVE)
+        self._forget = redis.register_script(affinity.FORGET)
         self.publisher = ReplyPublisher(redis, self.worker_id)
         self.started = time.time()
         self.completed = 0
@@ -87,6 +95,8 @@ class RequestConsumer:
                        metrics.TOKENS_AFTER_CANCEL, metrics.QUEUE_TIMEOUTS, metrics.CANCEL_LATENCY, metrics.RECLAIMED,
                        metrics.PREFILL_TIME, metrics.DECODE_TIME):
             family.labels(self.model)
+        for source in ("own", "shared", "stolen", "reclaimed"):
+            metrics.CLAIMS.labels(self.model, source)
         self.leases = Leases(self.batched, self.worker_id)
         self.cancels = CancelFollower(redis, self.model, self._running, self._cancel_requested,
                                       lambda rid, cause, sent_at: self._spawn(self.cancel(rid, cause, sent_at)))
@@ -148,92 +158,148 @@ class RequestConsumer:
         self._slot_freed.set()
 
     async def _ensure_group(self) -> None:
-        try:
-            await self.redis.xgroup_create(self.stream, keys.WORKER_GROUP, id="0", mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        for stream in (self.stream, self.own_stream):
+            try:
+                await self.redis.xgroup_create(stream, keys.WORKER_GROUP, id="0", mkstream=True)
+            except ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+        await self.redis.expire(self.own_stream, keys.AFFINITY_STREAM_TTL_S)
 
     async def claim_requests(self) -> None:
+        """Claim as many requests as there are free slots: this worker's own first, then its model's,
+        then, after `steal_after_s` with neither, what has waited that long in other workers' own."""
+        block_ms = max(1, round(self.steal_after_s * 1000))
         while not self.draining:
             free = self.max_concurrency - self.in_flight
             if free <= 0:
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
                 continue
+            source = None  # by stream: own or shared
             try:
-                replies = await self.redis.xreadgroup(
-                    keys.WORKER_GROUP, self.worker_id, {self.stream: ">"}, count=free, block=1000)
+                entries = (await self._read({self.own_stream: ">"}, free, block_ms=None)
+                           or await self._read({self.own_stream: ">", self.stream: ">"}, free, block_ms))
+                if not entries:
+                    entries, source = await self._steal_waiting(free), "stolen"
             except RedisError as exc:
                 log.warning("claiming requests failed: %s", exc)
                 await asyncio.sleep(0.5)
-                if "NOGROUP" in str(exc):  # Redis restarted empty: make the group again
+                if "NOGROUP" in str(exc):  # Redis restarted empty, or our stream expired: make the group again
                     with contextlib.suppress(RedisError):
                         await self._ensure_group()
                 continue
-            for _stream, entries in replies or ():
-                await self._start_entries(entries)
+            await self._start_entries(entries, source, free)
+
+    async def _read(self, streams: dict[str, str], count: int, block_ms: int | None) -> list[tuple]:
+        """XREADGROUP as (stream, entry id, fields) triples, this worker's own stream's first."""
+        replies = await self.redis.xreadgroup(keys.WORKER_GROUP, self.worker_id, streams, count=count, block=block_ms)
+        if isinstance(replies, dict):  # RESP3
+            replies = list(replies.items())
+        entries = [(stream.decode(), entry_id, fields) for stream, got in replies or () for entry_id, fields in got]
+        return sorted(entries, key=lambda entry: entry[0] != self.own_stream)
+
+    async def _steal_waiting(self, count: int) -> list[tuple]:
+        stolen = await self._steal(keys=[keys.affinity_waiting(self.model)], args=[
+            keys.WORKER_GROUP, self.worker_id, count, int(time.time() * 1000), round(self.steal_after_s * 1000),
+            self.own_stream])
+        return [(stream.decode(), entry_id, dict(zip(flat[::2], flat[1::2], strict=True)))
+                for stream, entry_id, flat in stolen]
 
     async def reclaim_requests(self) -> None:
-        """Take over requests whose worker died: pending entries idle past `claim_idle_s`.
+        """Take over requests whose worker died: pending entries idle past `claim_idle_s`, in the
+        model's stream and in the own streams of workers whose heartbeat expired (which are deleted
+        once empty; their waiting entries are taken by `_steal_waiting`).
 
         Entries of live workers come back too (XAUTOCLAIM cannot tell), but their worker still
         holds the request's lease, so they are left alone.
         """
         idle_ms = int(self.claim_idle_s * 1000)
         while not await pause(self._stop_claiming, self.claim_idle_s / 2):
-            free = self.max_concurrency - self.in_flight
-            if free <= 0:
-                continue
             try:
-                _next, entries, *_ = await self.redis.xautoclaim(
-                    self.stream, keys.WORKER_GROUP, self.worker_id, idle_ms, "0-0", count=free)
+                dead = await self.redis.zrangebyscore(keys.affinity_streams(self.model), "-inf", time.time() * 1000)
             except RedisError as exc:
-                log.warning("reclaiming requests failed: %s", exc)
-                continue
-            await self._start_entries(entries, reclaimed=True)
+                log.warning("reading the workers' streams failed: %s", exc)
+                dead = []
+            for stream in [self.stream, *(name.decode() for name in dead)]:
+                free = self.max_concurrency - self.in_flight
+                if free <= 0:
+                    break
+                try:
+                    _next, entries, *_ = await self.redis.xautoclaim(
+                        stream, keys.WORKER_GROUP, self.worker_id, idle_ms, "0-0", count=free)
+                    if stream != self.stream and not entries:
+                        await self._forget(keys=[keys.affinity_streams(self.model), stream])
+                except RedisError as exc:
+                    log.warning("reclaiming requests failed: %s", exc)
+                    continue
+                await self._start_entries([(stream, entry_id, fields) for entry_id, fields in entries], "reclaimed")
 
-    async def _start_entries(self, entries, reclaimed: bool = False) -> None:
+    async def _start_entries(self, entries: list[tuple], source: str | None, free: int | None = None) -> None:
         """Start each claimed entry's request: the envelope it carries, or for a fair-share ticket
         the envelope bound to it (`shared.fair_queue`). A ticket that could not be bound stays
-        pending on this worker, and is reclaimed from it like a dead worker's."""
+        pending on this worker, and is reclaimed from it like a dead worker's. Past `free`, what was
+        claimed at once from the model's stream beside this worker's own waits in its own stream."""
+        claims = []
         tickets = []
-        for entry_id, fields in entries:
+        for stream, entry_id, fields in entries:
             if fields is None:  # deleted since (XAUTOCLAIM still names it)
                 continue
+            entry_id = entry_id.decode()
             if keys.TICKET_FIELD in fields:
-                tickets.append(entry_id.decode())
+                tickets.append(entry_id)
+                claims.append((stream, entry_id, None))
+            else:  # an envelope, or a malformed entry, which `_start` dead-letters
+                claims.append((stream, entry_id, fields.get(keys.ENVELOPE_FIELD, b"")))
+        if tickets:
+            try:
+                bound = await self._bind(keys=fair_queue.bind_keys(self.model), args=[keys.FAIR_QUEUE_TTL_S, *tickets])
+            except RedisError as exc:
+                log.warning("binding %d claimed tickets failed: %s", len(tickets), exc)
+                claims = [claim for claim in claims if claim[2] is not None]
             else:
-                self._start(entry_id.decode(), fields.get(keys.ENVELOPE_FIELD, b""), reclaimed)
-        if not tickets:
-            return
+                envelopes = dict(zip(tickets, bound, strict=True))  # '' for a ticket whose request is gone
+                claims = [(stream, entry_id, envelopes[entry_id] if data is None else data)
+                          for stream, entry_id, data in claims]
+        if free is not None and len(claims) > free:
+            claims, surplus = claims[:free], claims[free:]
+            self._spawn(self._keep_waiting(surplus))
+        for stream, entry_id, data in claims:
+            metrics.CLAIMS.labels(self.model, source or ("own" if stream == self.own_stream else "shared")).inc()
+            if entry_id in tickets and not data:  # its request is gone (its queue expired): nothing to answer
+                self._spawn(self._drop_entry(stream, entry_id))
+            else:
+                self._start(stream, entry_id, data, reclaimed=source == "reclaimed")
+
+    async def _keep_waiting(self, surplus: list[tuple]) -> None:
+        """Move requests claimed beyond the free slots from the model's stream to this worker's own,
+        where they wait for its next free slot, or for another worker's (`_steal_waiting`)."""
+        args = [keys.WORKER_GROUP, int(time.time() * 1000), keys.AFFINITY_STREAM_TTL_S, keys.REQUEST_STREAM_MAXLEN,
+                keys.ENVELOPE_FIELD]
+        for _stream, entry_id, data in surplus:
+            args += [entry_id, data]
         try:
-            bound = await self._bind(keys=fair_queue.bind_keys(self.model), args=[keys.FAIR_QUEUE_TTL_S, *tickets])
-        except RedisError as exc:
-            log.warning("binding %d claimed tickets failed: %s", len(tickets), exc)
-            return
-        for ticket, data in zip(tickets, bound, strict=True):
-            if data:
-                self._start(ticket, data, reclaimed)
-            else:  # its request is gone (its queue expired): nothing to answer
-                self._spawn(self._drop_entry(ticket))
+            await self._move(keys=[self.stream, self.own_stream, keys.affinity_waiting(self.model),
+                                   keys.bound_requests(self.model)], args=args)
+        except RedisError as exc:  # they stay pending here, and are reclaimed like a dead worker's
+            log.warning("could not requeue %d requests: %s", len(surplus), exc)
 
-    async def _drop_entry(self, entry_id: str) -> None:
+    async def _drop_entry(self, stream: str, entry_id: str) -> None:
         with contextlib.suppress(RedisError):
-            await (self.batched.pipeline(transaction=False).xack(self.stream, keys.WORKER_GROUP, entry_id)
-                   .xdel(self.stream, entry_id).execute())
+            await (self.batched.pipeline(transaction=False).xack(stream, keys.WORKER_GROUP, entry_id)
+                   .xdel(stream, entry_id).execute())
 
-    def _start(self, entry_id: str, data: bytes, reclaimed: bool = False) -> None:
+    def _start(self, stream: str, entry_id: str, data: bytes, reclaimed: bool = False) -> None:
         try:
             request = decode(RequestEnvelope, data)
         except EnvelopeError as exc:
             log.error("dead-lettering malformed request %s: %s", entry_id, exc)
             metrics.POISON_MESSAGES.labels(self.model).inc()
-            self._spawn(self._dead_letter(entry_id, data, str(exc)))
+            self._spawn(self._dead_letter(stream, entry_id, data, str(exc)))
             return
         if request.request_id in self._running:
             return  # already ours: a reclaim of our own long-running entry
-        task = asyncio.create_task(self.run_request(entry_id, request, reclaimed), name=request.request_id)
+        task = asyncio.create_task(self.run_request(stream, entry_id, request, reclaimed), name=request.request_id)
         self._running[request.request_id] = task
         task.add_done_callback(lambda _t, rid=request.request_id: self._finished(rid))
 
@@ -245,25 +311,25 @@ class RequestConsumer:
         metrics.IN_FLIGHT.labels(self.model).set(self.in_flight)
         self._slot_freed.set()
 
-    async def _dead_letter(self, entry_id: str, data: bytes, reason: str) -> None:
+    async def _dead_letter(self, stream: str, entry_id: str, data: bytes, reason: str) -> None:
         """Move a poison entry to the model's dead-letter stream, with why, and acknowledge it."""
         record = {b"entry_id": entry_id, b"reason": reason, b"bytes": len(data),
                   b"data": data[: keys.DEAD_LETTER_KEEP_BYTES], b"worker_id": self.worker_id}
+        pipe = (self.batched.pipeline(transaction=False)
+                .xadd(keys.dead_letter_stream(self.model), record, maxlen=keys.DEAD_LETTER_MAXLEN, approximate=True)
+                .xack(stream, keys.WORKER_GROUP, entry_id)
+                .xdel(stream, entry_id))
+        if stream == self.stream:  # if a ticket's, its binding goes too (bindings are of the model's stream)
+            pipe.hdel(keys.bound_requests(self.model), entry_id)
         with contextlib.suppress(RedisError):
-            await (self.batched.pipeline(transaction=False)
-                   .xadd(keys.dead_letter_stream(self.model), record, maxlen=keys.DEAD_LETTER_MAXLEN,
-                         approximate=True)
-                   .xack(self.stream, keys.WORKER_GROUP, entry_id)
-                   .xdel(self.stream, entry_id)
-                   .hdel(keys.bound_requests(self.model), entry_id)  # if a ticket's
-                   .execute())
+            await pipe.execute()
 
     def _spawn(self, job) -> None:
         task = asyncio.create_task(job)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def run_request(self, entry_id: str, request: RequestEnvelope, reclaimed: bool = False) -> None:
+    async def run_request(self, stream: str, entry_id: str, request: RequestEnvelope, reclaimed: bool = False) -> None:
         REQUEST_ID.set(request.client_request_id or request.request_id)  # this task's log lines (shared.logs)
         metrics.IN_FLIGHT.labels(self.model).set(self.in_flight)
         try:
@@ -306,8 +372,8 @@ class RequestConsumer:
         if terminal.usage is not None:
             metrics.GENERATED_TOKENS.labels(self.model).inc(terminal.usage.completion_tokens)
         self.completed += 1
-        ack = (self.stream, entry_id, request.request_id)
-        if request.tenant:  # perhaps a ticket's (shared.fair_queue): its binding goes with it
+        ack = (stream, entry_id, request.request_id)
+        if request.tenant and stream == self.stream:  # perhaps a ticket's (shared.fair_queue): its binding goes too
             ack += (keys.bound_requests(self.model),)
         flushed = self.publisher.finish(request, terminal, ack)
         await asyncio.shield(flushed)
@@ -436,7 +502,11 @@ class RequestConsumer:
             )
             pipe = (self.redis.pipeline(transaction=False)
                     .set(keys.worker_key(self.worker_id), encode(info), ex=keys.HEARTBEAT_TTL_S)
-                    .set(keys.model_key(self.model), b"1", ex=keys.MODEL_MEMORY_TTL_S))
+                    .set(keys.model_key(self.model), b"1", ex=keys.MODEL_MEMORY_TTL_S)
+                    .zadd(keys.affinity_streams(self.model),
+                          {self.own_stream: (time.time() + keys.HEARTBEAT_TTL_S) * 1000})
+                    .expire(keys.affinity_streams(self.model), keys.AFFINITY_STREAM_TTL_S)
+                    .expire(self.own_stream, keys.AFFINITY_STREAM_TTL_S))
             renewals = self.leases.renew(pipe)
             sent = renewals[1]
             try:
@@ -466,7 +536,10 @@ class RequestConsumer:
     async def _deregister(self) -> None:
         """Remove the heartbeat, so gateways stop counting on this worker now rather than at its TTL."""
         try:
-            await within(DEREGISTER_S, self.redis.delete(keys.worker_key(self.worker_id)), "deregistering")
+            # Our stream is left to the others as a dead worker's: its waiting requests are theirs now.
+            await within(DEREGISTER_S, self.redis.pipeline(transaction=False).delete(keys.worker_key(self.worker_id))
+                         .zadd(keys.affinity_streams(self.model), {self.own_stream: 0}, xx=True).execute(),
+                         "deregistering")
         except (TimeoutError, RedisError) as exc:
             log.warning("could not remove the heartbeat (%s); it expires within %ds", exc, keys.HEARTBEAT_TTL_S)
 

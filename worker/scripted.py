@@ -7,12 +7,19 @@ among its prompt's choices ("1:hello") when that is not 0, so choices are told a
 completion with several prompts answers each, its n choices at indexes prompt * n + choice.
 Media content parts (images, audio) are not read. Pacing options make a run slow
 to start or slow to stream, so tests can cancel or kill it at a chosen point.
+
+With `prefill_per_token`, the engine simulates a prefix cache: it remembers the blocks of 16
+prompt tokens (words) it has seen, as vLLM's prefix caching does, and waits that long for each
+prompt token not found there before the first token; usage reports the cached tokens. So the
+benefit of sending a conversation back to its worker can be measured without an engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 
 from shared.envelopes import GenerationChunk, RequestEnvelope, Usage
@@ -20,6 +27,39 @@ from shared.errors import InvalidRequest
 from worker.adapter import GenerationAdapter, completion_prompts
 
 DEFAULT_MAX_TOKENS = 16
+BLOCK_TOKENS = 16  # vLLM's default block size
+CACHE_BLOCKS = 100_000  # blocks the simulated cache holds; the least recently used go first
+
+
+class PrefixCache:
+    """Blocks of prompt tokens seen before, each named by a digest of every token up to its end."""
+
+    def __init__(self, max_blocks: int = CACHE_BLOCKS):
+        self.max_blocks = max_blocks
+        self._blocks: OrderedDict[bytes, None] = OrderedDict()
+
+    def lookup_and_insert(self, tokens: list[str]) -> int:
+        """How many leading tokens were cached; the prompt's whole blocks are cached from now on."""
+        cached, digest, hit = 0, b"", True
+        for start in range(0, len(tokens) - BLOCK_TOKENS + 1, BLOCK_TOKENS):
+            digest = hashlib.blake2b(digest + " ".join(tokens[start:start + BLOCK_TOKENS]).encode(),
+                                     digest_size=16).digest()
+            if hit and digest in self._blocks:
+                cached += BLOCK_TOKENS
+                self._blocks.move_to_end(digest)
+            else:
+                hit = False
+                self._blocks[digest] = None
+        while len(self._blocks) > self.max_blocks:
+            self._blocks.popitem(last=False)
+        return cached
+
+
+def every_prompt_word(request: RequestEnvelope) -> list[str]:
+    """Every word of the prompt, in order: of every message for chat, of every prompt for completion."""
+    if request.kind == "chat":
+        return [word for m in request.body.get("messages") or () for word in _message_text(m).split()]
+    return [word for prompt in completion_prompts(request) for word in _prompt_words(prompt)[0]]
 
 
 def script_words(request: RequestEnvelope) -> list[tuple[list[str], int]]:
@@ -58,10 +98,13 @@ class ScriptedAdapter(GenerationAdapter):
         max_model_len: int = 4096,
         tokens_per_second: float = 0.0,
         first_token_delay: float = 0.0,
+        prefill_per_token: float = 0.0,
     ):
         super().__init__(served_model_name, max_model_len)
         self.token_interval = 1.0 / tokens_per_second if tokens_per_second > 0 else 0.0
         self.first_token_delay = first_token_delay
+        self.prefill_per_token = prefill_per_token
+        self.cache = PrefixCache() if prefill_per_token > 0 else None
         self._aborts: dict[str, asyncio.Event] = {}
 
     async def abort(self, request_id: str) -> None:
@@ -82,9 +125,16 @@ class ScriptedAdapter(GenerationAdapter):
             )
         max_tokens = params.max_tokens or DEFAULT_MAX_TOKENS
         aborted = self._aborts[request.request_id] = asyncio.Event()
+        delay, cached = self.first_token_delay, None
+        if self.cache is not None:
+            tokens = every_prompt_word(request)
+            cached = self.cache.lookup_and_insert(tokens)
+            delay += (len(tokens) - cached) * self.prefill_per_token
         try:
             async for chunk in self._run(prompts, max_tokens, params.n, params.stop or [], aborted,
-                                         params.logprobs, request.kind):
+                                         params.logprobs, request.kind, delay):
+                if chunk.done:
+                    chunk.usage.cached_tokens = cached
                 yield chunk
         finally:
             del self._aborts[request.request_id]
@@ -96,8 +146,8 @@ class ScriptedAdapter(GenerationAdapter):
         else:
             await asyncio.sleep(0)  # let cancels and other requests in between tokens
 
-    async def _run(self, prompts, max_tokens, n, stops, aborted, logprobs, kind):
-        await self._pause(self.first_token_delay, aborted)
+    async def _run(self, prompts, max_tokens, n, stops, aborted, logprobs, kind, delay):
+        await self._pause(delay, aborted)
         choices = len(prompts) * n
         texts = [""] * choices
         finish: list[str | None] = [None] * choices

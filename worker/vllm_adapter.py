@@ -58,13 +58,15 @@ class VLLMAdapter(GenerationAdapter):
 
     def __init__(self, engine_args: AsyncEngineArgs, served_model_name: str | None = None, *,
                  chat_template: str | None = None, tool_call_parser: str | None = None,
-                 enable_auto_tool_choice: bool = False, reasoning_parser: str | None = None):
+                 enable_auto_tool_choice: bool = False, reasoning_parser: str | None = None,
+                 enable_prompt_tokens_details: bool = False):
         super().__init__(served_model_name or engine_args.model, engine_args.max_model_len or 0)
         self.engine_args = engine_args
         self.chat_template = chat_template
         self.tool_call_parser = tool_call_parser
         self.enable_auto_tool_choice = enable_auto_tool_choice
         self.reasoning_parser = reasoning_parser
+        self.prompt_tokens_details = enable_prompt_tokens_details  # usage reports the prefix cache's hits
         self.engine: AsyncLLM | None = None
         self._prompts: dict[str, int] = {}  # request id -> prompts of a running completion
 
@@ -83,9 +85,10 @@ class VLLMAdapter(GenerationAdapter):
         self.chat = OpenAIServingChat(
             engine, models, "assistant", online_renderer=renderer, request_logger=None, **template,
             enable_auto_tools=self.enable_auto_tool_choice, tool_parser=self.tool_call_parser,
-            reasoning_parser=self.reasoning_parser or "",
+            reasoning_parser=self.reasoning_parser or "", enable_prompt_tokens_details=self.prompt_tokens_details,
         )
-        self.completion = OpenAIServingCompletion(engine, models, online_renderer=renderer, request_logger=None)
+        self.completion = OpenAIServingCompletion(engine, models, online_renderer=renderer, request_logger=None,
+                                                  enable_prompt_tokens_details=self.prompt_tokens_details)
         self.tokenization = ServingTokenization(models, renderer, request_logger=None, **template)
 
     async def shutdown(self) -> None:
@@ -250,8 +253,9 @@ def _usage(usage: dict[str, Any] | None) -> Usage | None:
     if usage is None:
         return None
     details = usage.get("completion_tokens_details") or {}
+    prompt_details = usage.get("prompt_tokens_details") or {}
     return Usage(prompt_tokens=usage["prompt_tokens"], completion_tokens=usage.get("completion_tokens") or 0,
-                 reasoning_tokens=details.get("reasoning_tokens"))
+                 reasoning_tokens=details.get("reasoning_tokens"), cached_tokens=prompt_details.get("cached_tokens"))
 
 
 def _whole_response(kind: str, response) -> GenerationChunk:

@@ -1,0 +1,183 @@
+"""Cache affinity in the pull model: a conversation's next turn goes to the worker that holds its
+prefix in cache, and no worker idles while another's requests wait.
+
+Every worker of a model has a stream of its own beside the model's shared request stream
+(`keys.worker_stream`), in the same consumer group. A worker claims with one XREADGROUP of both,
+its own first. The gateway chooses where a request goes:
+
+- A request worth caching (a chat whose messages, or a prompt, pass `MIN_PROMPT_CHARS`) has an
+  affinity key: a digest of its opening (the messages up to the first user message, which every
+  later turn of the conversation repeats; or the prompt's first `PREFIX_CHARS`). Its workers are
+  ranked by rendezvous hashing of that key (each worker's digest of key and worker id; the
+  highest first), so a key keeps its worker while the fleet changes around it, and only the keys
+  of a worker that leaves move.
+- `ROUTE` adds the request to the first of its two best-ranked workers' streams that has room: a
+  worker's stream holds what it runs of its own plus at most `waiting_allowance(slots)` waiting
+  (bounded loads: a hot key spills to its second worker, then to the shared stream). It is one
+  script, so the check and the add are atomic. A request with no key, or no room, goes to the
+  shared stream as before (`shared.fair_queue`).
+- A worker with a free slot that found nothing in its own or the shared stream for
+  `--steal-after-ms` takes (`STEAL`) the entries that have waited longer than that in other
+  workers' streams, oldest first. The streams that may hold waiting entries are a sorted set
+  (`keys.affinity_waiting`), scored no later than their oldest waiting entry: a busy or stopped
+  preferred worker delays a request by that much, and never leaves it waiting while another
+  worker has room.
+- A dead worker's running requests are reclaimed from its stream like the shared stream's (its
+  heartbeat's expiry is in `keys.affinity_streams`); its empty stream is then deleted (`FORGET`).
+
+Every key here is of one model, so of one Redis Cluster slot.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from typing import Any
+
+import orjson
+
+from shared import keys
+from shared.envelopes import RequestEnvelope, WorkerInfo
+
+MIN_PROMPT_CHARS = 1024  # about 256 tokens: shorter prompts gain little from a cached prefix
+PREFIX_CHARS = 2048  # of a completion prompt, its affinity key
+CANDIDATES = 2  # the preferred worker, then one to spill to
+
+
+def waiting_allowance(slots: int) -> int:
+    """How many requests may wait in a worker's own stream beyond what its slots run."""
+    return max(1, slots // 4)
+
+
+# Lua: the undelivered (waiting) entries of a stream, from its length and its group's pending count.
+_WAITING = """
+local function group_state(stream, group)
+  local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', stream)
+  if not ok then return nil end
+  for _, g in ipairs(groups) do
+    local state = {}
+    for i = 1, #g, 2 do state[g[i]] = g[i + 1] end
+    if state['name'] == group then return state end
+  end
+  return nil
+end
+"""
+
+# KEYS: shared request stream, waiting set, candidate streams (best first). ARGV: depth limit,
+# maxlen, envelope field, envelope, group, now (ms), ttl, then each candidate's most waiting.
+# Returns {candidate (1-based; 0: none had room, -1: the model's queue is full), depth}.
+ROUTE = _WAITING + """
+local depth = redis.call('XLEN', KEYS[1])
+if depth >= tonumber(ARGV[1]) then return {-1, depth} end
+for i = 3, #KEYS do
+  local length = redis.call('XLEN', KEYS[i])
+  local state = group_state(KEYS[i], ARGV[5])
+  if state and length - state['pending'] < tonumber(ARGV[5 + i]) then
+    redis.call('XADD', KEYS[i], 'MAXLEN', '~', ARGV[2], '*', ARGV[3], ARGV[4])
+    redis.call('EXPIRE', KEYS[i], ARGV[7])
+    redis.call('ZADD', KEYS[2], 'NX', ARGV[6], KEYS[i])
+    redis.call('EXPIRE', KEYS[2], ARGV[7])
+    return {i - 2, depth}
+  end
+end
+return {0, depth}
+"""
+
+# KEYS: waiting set. ARGV: group, consumer, most entries, now (ms), least wait (ms), own stream.
+# Claims for the consumer the entries that waited at least that long in other workers' streams,
+# oldest stream first; rescores each stream looked at by its oldest waiting entry, or removes it.
+# Returns {stream, entry id, fields} triples.
+STEAL = _WAITING + """
+local out = {}
+local need = tonumber(ARGV[3])
+local cutoff = tonumber(ARGV[4]) - tonumber(ARGV[5])
+local streams = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', cutoff, 'LIMIT', 0, 8)
+for _, stream in ipairs(streams) do
+  if stream ~= ARGV[6] then
+    local state = group_state(stream, ARGV[1])
+    if state == nil then
+      redis.call('ZREM', KEYS[1], stream)
+    else
+      if need > 0 then
+        local old = redis.call('XRANGE', stream, '(' .. state['last-delivered-id'], cutoff, 'COUNT', need)
+        if #old > 0 then
+          local got = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', #old, 'STREAMS', stream, '>')
+          for _, entry in ipairs(got[1][2]) do
+            out[#out + 1] = {stream, entry[1], entry[2]}
+            need = need - 1
+          end
+          state = group_state(stream, ARGV[1])
+        end
+      end
+      local nxt = redis.call('XRANGE', stream, '(' .. state['last-delivered-id'], '+', 'COUNT', 1)
+      if #nxt == 0 then
+        redis.call('ZREM', KEYS[1], stream)
+      else
+        redis.call('ZADD', KEYS[1], 'XX', string.match(nxt[1][1], '^%d+'), stream)
+      end
+    end
+  end
+end
+return out
+"""
+
+# KEYS: model's stream, own stream, waiting set, bindings. ARGV: group, now (ms), ttl, maxlen, envelope
+# field, then (entry id, envelope) pairs of entries claimed from the model's stream beyond a
+# worker's free slots: each moves to the worker's own stream (its ticket's binding goes with it).
+MOVE = """
+for i = 6, #ARGV, 2 do
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', ARGV[5], ARGV[i + 1])
+  redis.call('XACK', KEYS[1], ARGV[1], ARGV[i])
+  redis.call('XDEL', KEYS[1], ARGV[i])
+  redis.call('HDEL', KEYS[4], ARGV[i])
+end
+redis.call('EXPIRE', KEYS[2], ARGV[3])
+redis.call('ZADD', KEYS[3], 'NX', ARGV[2], KEYS[2])
+redis.call('EXPIRE', KEYS[3], ARGV[3])
+"""
+
+# KEYS: streams set, a dead worker's stream. Deletes the stream once nothing is left in it.
+FORGET = """
+if redis.call('XLEN', KEYS[2]) == 0 then
+  redis.call('DEL', KEYS[2])
+  redis.call('ZREM', KEYS[1], KEYS[2])
+  return 1
+end
+return 0
+"""
+
+
+def key_of(envelope: RequestEnvelope) -> bytes | None:
+    """The request's affinity key, or None when its prompt is too short to be worth a worker's cache."""
+    body = envelope.body
+    if envelope.kind == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return None
+        opening = next((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"), 0)
+        encoded = orjson.dumps(messages[: opening + 1], option=orjson.OPT_SORT_KEYS)
+        if len(encoded) < MIN_PROMPT_CHARS and len(orjson.dumps(messages)) < MIN_PROMPT_CHARS:
+            return None
+    elif envelope.kind == "completion":
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str) or len(prompt) < MIN_PROMPT_CHARS:
+            return None  # token ids and several prompts: no key
+        encoded = prompt[:PREFIX_CHARS].encode()
+    else:
+        return None
+    return hashlib.blake2b(encoded, digest_size=16).digest()
+
+
+def ranked(key: bytes, workers: Iterable[WorkerInfo]) -> list[WorkerInfo]:
+    """The workers in the key's order of preference (rendezvous hashing)."""
+    return sorted(workers, reverse=True,
+                  key=lambda w: hashlib.blake2b(key + w.worker_id.encode(), digest_size=8).digest())
+
+
+def route_keys(model: str, streams: list[str]) -> list[str]:
+    return [keys.request_stream(model), keys.affinity_waiting(model), *streams]
+
+
+def route_args(depth_limit: int, envelope: bytes, now_ms: int, allowances: list[int]) -> list[Any]:
+    return [depth_limit, keys.REQUEST_STREAM_MAXLEN, keys.ENVELOPE_FIELD, envelope, keys.WORKER_GROUP, now_ms,
+            keys.AFFINITY_STREAM_TTL_S, *allowances]

@@ -1,0 +1,158 @@
+"""Cache affinity in the pull queue (shared/affinity.py), with real gateways, Redis and scripted
+workers that simulate a prefix cache: a conversation's turns go to the worker that cached it; a
+stopped preferred worker's requests are taken by another after a few milliseconds; a dead one's
+running requests are reclaimed and its stream deleted."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import httpx
+import pytest
+
+from shared import affinity, keys, redis_pool
+from shared.codec import decode
+from shared.envelopes import RequestEnvelope, WorkerInfo
+from tests.conftest import leftover_keys
+from tests.procs import metric_value, start_gateway, start_redis, start_worker, wait_for, wait_until_served
+
+pytestmark = pytest.mark.integration
+
+MODEL = "affinity-model"
+SYSTEM = " ".join(f"rule{i}" for i in range(400))  # about 3 kB: worth a worker's cache
+CACHED = ("--scripted-prefill-per-token", "0.0001", "--max-concurrency", "4")
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    proc = start_redis()  # its own: the tests stop workers and look at every key left
+    yield proc.url
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def fleet(redis_url):
+    started = []
+    try:
+        workers = [start_worker(redis_url, MODEL, *CACHED) for _ in range(2)]
+        started += workers
+        gateway = start_gateway(redis_url)
+        started.append(gateway)
+        wait_until_served(gateway, MODEL)
+        yield gateway, workers
+    finally:
+        for proc in started:
+            proc.stop()
+
+
+def _messages(conversation: int, turns: int) -> list[dict]:
+    messages = [{"role": "system", "content": SYSTEM}]
+    for turn in range(turns):
+        messages.append({"role": "user", "content": f"conversation {conversation} question {turn} " * 8})
+        if turn < turns - 1:
+            messages.append({"role": "assistant", "content": f"answer {turn} " * 8})
+    return messages
+
+
+def _chat(gateway, messages: list[dict], **extra) -> dict:
+    response = httpx.post(f"{gateway.url}/v1/chat/completions", timeout=30,
+                          json={"model": MODEL, "messages": messages, "max_tokens": 4, **extra})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _worker_ids(redis_url: str) -> dict[int, WorkerInfo]:
+    client = redis_pool.connect_sync(redis_url)
+    infos = [decode(WorkerInfo, value) for value in client.mget(list(client.scan_iter(match="llmfleet:worker:*")))
+             if value is not None]
+    return {int(info.worker_id.split("-")[-2]): info for info in infos if info.model == MODEL}
+
+
+def _preferring(worker: WorkerInfo, workers: list[WorkerInfo], count: int) -> list[int]:
+    """Conversations whose first choice is `worker`."""
+    chosen = []
+    conversation = 0
+    while len(chosen) < count:
+        envelope = RequestEnvelope("r", MODEL, "chat", "", 0.0, body={"messages": _messages(conversation, 1)})
+        if affinity.ranked(affinity.key_of(envelope), workers)[0].worker_id == worker.worker_id:
+            chosen.append(conversation)
+        conversation += 1
+    return chosen
+
+
+def test_a_conversation_stays_with_the_worker_that_cached_it(fleet):
+    gateway, workers = fleet
+    for conversation in range(4):
+        for turns in range(1, 5):
+            usage = _chat(gateway, _messages(conversation, turns))["usage"]
+            cached = usage["prompt_tokens_details"]["cached_tokens"]
+            if turns == 1:
+                assert cached < usage["prompt_tokens"]
+            else:  # the whole of the previous turn's prompt, to its last full block of 16 words
+                assert cached >= usage["prompt_tokens"] - 16 - 8 * 4 - 8 * 2, usage
+    own = sum(metric_value(w.url, "llmfleet_worker_claims_total", model=MODEL, source="own") for w in workers)
+    assert own >= 16
+    assert metric_value(gateway.url, "llmfleet_gateway_affinity_total", model=MODEL, route="preferred") >= 16
+
+
+def test_a_short_prompt_has_no_affinity(fleet):
+    gateway, _workers = fleet
+    before = metric_value(gateway.url, "llmfleet_gateway_affinity_total", model=MODEL)
+    usage = _chat(gateway, [{"role": "user", "content": "hi"}])["usage"]
+    assert usage["prompt_tokens"] == 1
+    assert metric_value(gateway.url, "llmfleet_gateway_affinity_total", model=MODEL) == before
+
+
+def test_a_stopped_preferred_worker_does_not_hold_its_requests(fleet, redis_url):
+    gateway, workers = fleet
+    infos = _worker_ids(redis_url)
+    stopped, running = workers
+    conversations = _preferring(infos[stopped.pid], list(infos.values()), 3)
+    stolen_before = metric_value(running.url, "llmfleet_worker_claims_total", model=MODEL, source="stolen")
+    os.kill(stopped.pid, signal.SIGSTOP)
+    try:
+        for conversation in conversations:  # queued in the stopped worker's stream: its heartbeat still lives
+            _chat(gateway, _messages(conversation, 1))
+    finally:
+        os.kill(stopped.pid, signal.SIGCONT)
+    assert metric_value(running.url, "llmfleet_worker_claims_total", model=MODEL, source="stolen") > stolen_before
+
+
+def test_a_dead_workers_requests_are_reclaimed_and_its_stream_deleted(redis_url):
+    slow = ("--scripted-tokens-per-second", "20", "--claim-idle", "1")
+    workers = [start_worker(redis_url, "affinity-dead", *CACHED, *slow) for _ in range(2)]
+    gateway = start_gateway(redis_url)
+    try:
+        wait_until_served(gateway, "affinity-dead")
+        client = redis_pool.connect_sync(redis_url)
+        infos = {int(i.worker_id.split("-")[-2]): i for i in
+                 (decode(WorkerInfo, v) for v in client.mget(list(client.scan_iter(match="llmfleet:worker:*"))) if v)
+                 if i.model == "affinity-dead"}
+        victim, survivor = workers
+        conversations = _preferring(infos[victim.pid], list(infos.values()), 2)
+        with httpx.Client(timeout=60) as http:
+            import concurrent.futures
+
+            def ask(conversation: int) -> httpx.Response:
+                return http.post(f"{gateway.url}/v1/chat/completions", json={
+                    "model": "affinity-dead", "messages": _messages(conversation, 1), "max_tokens": 40})
+
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                answers = [pool.submit(ask, c) for c in conversations]
+                victim_stream = keys.worker_stream("affinity-dead", infos[victim.pid].worker_id)
+                wait_for(lambda: metric_value(victim.url, "llmfleet_worker_claims_total", model="affinity-dead",
+                                              source="own") >= 2, 10, "the victim to claim its requests")
+                victim.kill()
+                for answer in answers:  # non-streaming: the survivor runs them again from the start
+                    response = answer.result()
+                    assert response.status_code == 200, response.text
+                    assert response.json()["choices"][0]["finish_reason"] == "length"
+        assert metric_value(survivor.url, "llmfleet_worker_claims_total", model="affinity-dead",
+                            source="reclaimed") >= 2
+        wait_for(lambda: not client.exists(victim_stream), 10, "the dead worker's stream to be deleted")
+    finally:
+        gateway.stop()
+        for worker in workers:
+            worker.stop()
+    assert not leftover_keys(redis_pool.connect_sync(redis_url))
