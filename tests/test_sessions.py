@@ -9,16 +9,16 @@ shows exactly which messages the gateway prepended.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
 
 import httpx
 import openai
 import pytest
-from redis import asyncio as aioredis
 
 from shared import redis_pool
-from tests.procs import start_gateway, start_redis, start_worker, wait_for, wait_until_served
+from tests.procs import start_gateway, start_redis, start_redis_cluster, start_worker, wait_for, wait_until_served
 
 pytestmark = pytest.mark.integration
 
@@ -31,9 +31,9 @@ TTL_S = 3600
 
 @pytest.fixture(scope="module")
 def fleet():
-    """A Redis of its own (the session index is Redis-wide), a scripted worker streaming 200
-    tokens/s, and two gateways with small session bounds."""
-    redis = start_redis()
+    """A Redis of its own (the session index is Redis-wide; a cluster with LLMFLEET_TEST_REDIS=cluster),
+    a scripted worker streaming 200 tokens/s, and two gateways with small session bounds."""
+    redis = start_redis_cluster() if os.environ.get("LLMFLEET_TEST_REDIS") == "cluster" else start_redis()
     started = [redis]
     try:
         started.append(start_worker(redis.url, MODEL, "--scripted-tokens-per-second", "200",
@@ -178,15 +178,15 @@ def test_a_turn_whose_client_disconnects_stores_what_was_generated(redis_client_
     body = {"model": MODEL, "messages": [user("slow words")], "max_tokens": 4000, "stream": True,
             "session_id": session_id}
     with one.stream("POST", "/v1/chat/completions", json=body) as response:
-        seen = ""
-        for line in response.iter_lines():
-            seen += line
-            if seen.count('"content":"') >= 6:  # a few tokens in, the client goes away
-                break
+        lines, seen = response.iter_lines(), ""  # kept: dropping the iterator would close the connection
+        while seen.count('"content":"') < 6:  # a few tokens in
+            seen += next(lines)
         # While the turn runs, its lock is held (with a TTL) and a second turn is refused.
         lock = f"llmfleet:session:{{{session_id}}}:turn"
         assert redis_client_of.ttl(lock) > 0
         assert_error(turn(other, session_id, user("meanwhile")), 409, "session_id")
+        assert history(other, session_id) == []
+    # The client went away (the connection closed with the `with`).
     stored = wait_for(lambda: (h := history(other, session_id)) and len(h) == 2 and h, 30,
                       "the interrupted turn to be stored")
     assert stored[0] == user("slow words")
@@ -314,7 +314,7 @@ def test_discard_thinking_keeps_reasoning_out_of_the_history(fleet):
     redis_proc, _ = fleet
 
     async def stored_answer(discard: bool) -> dict:
-        client = aioredis.Redis.from_url(redis_proc.url)
+        client = redis_pool.connect(redis_proc.url, max_connections=4, wait_s=5, client_name="test")
         store = SessionStore(client, GatewaySettings(redis_url=redis_proc.url))
         session_id = f"think-{uuid.uuid4().hex[:6]}"
         assert await store.write(session_id, []) == "ok"
