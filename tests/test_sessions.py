@@ -12,17 +12,21 @@ import asyncio
 import os
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
 
-from shared import redis_pool
+from shared import codec, redis_pool
+from shared.envelopes import RequestEnvelope
+from shared.keys import ENVELOPE_FIELD
 from tests.procs import start_gateway, start_redis, start_redis_cluster, start_worker, wait_for, wait_until_served
 
 pytestmark = pytest.mark.integration
 
 MODEL = "session-model"
+GHOST = "session-ghost"  # a model no worker serves: its requests wait in Redis, where they can be read
 MAX_MESSAGES = 20
 MAX_BYTES = 20_000
 MAX_SESSIONS = 40
@@ -39,7 +43,7 @@ def fleet():
         started.append(start_worker(redis.url, MODEL, "--scripted-tokens-per-second", "200",
                                     "--max-concurrency", "16"))
         bounds = ["--session-max-messages", str(MAX_MESSAGES), "--session-max-bytes", str(MAX_BYTES),
-                  "--max-sessions", str(MAX_SESSIONS), "--session-ttl", str(TTL_S)]
+                  "--max-sessions", str(MAX_SESSIONS), "--session-ttl", str(TTL_S), "--models", GHOST]
         gateways = [start_gateway(redis.url, *bounds) for _ in range(2)]
         started += gateways
         for gateway in gateways:
@@ -228,6 +232,34 @@ def test_turn_errors(http):
     plain = one.post("/v1/chat/completions", json={"model": MODEL, "messages": [user("hi")], "max_tokens": 1,
                                                    "discard_thinking": False})
     assert plain.status_code == 200 and plain.json()["choices"][0]["message"]["content"] == "hi"
+
+
+def waiting_envelopes(client) -> list[RequestEnvelope]:
+    """The envelopes of GHOST's requests waiting in Redis: in its stream, or its tenants' queues."""
+    found = [fields[ENVELOPE_FIELD] for _, fields in client.xrange(f"llmfleet:requests:{{{GHOST}}}")
+             if ENVELOPE_FIELD in fields]
+    for queue in client.scan_iter(match=f"llmfleet:queue:{{{GHOST}}}:*"):
+        found += client.lrange(queue, 0, -1)
+    return [codec.decode(RequestEnvelope, data) for data in found]
+
+
+def test_the_engine_gets_the_whole_conversation_and_none_of_the_extensions(redis_client_of, http):
+    one, other = http
+    session_id = new_session(one)
+    turn(one, session_id, {"role": "system", "content": "sys"}, user("first"), max_tokens=1)
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(turn, other, session_id, user("second"), model=GHOST, timeout=4,
+                              discard_thinking=False)
+        envelope = wait_for(lambda: next(iter(waiting_envelopes(redis_client_of)), None), 10,
+                            "the turn's envelope to wait in Redis")
+        assert envelope.body["messages"] == [{"role": "system", "content": "sys"}, user("first"),
+                                             {"role": "assistant", "content": "first"}, user("second")]
+        assert not set(envelope.body) & {"session_id", "discard_thinking"}
+        assert envelope.body["max_tokens"] == 2 and envelope.body["model"] == GHOST
+        refused = waiting.result()
+    assert refused.status_code >= 400  # never served: nothing stored, the session free again
+    assert len(history(one, session_id)) == 3
+    assert turn(one, session_id, user("third")).status_code == 200
 
 
 def test_rollback_keeps_the_first_messages(http):
