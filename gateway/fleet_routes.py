@@ -41,6 +41,21 @@ async def list_models(request: Request) -> Response:
     return json_response({"object": "list", "data": data})
 
 
+@router.get("/fleet/load")
+async def fleet_load(request: Request, model: str) -> Response:
+    """A model's requests in the fleet, waiting and running, as of the last refresh (every 0.5 s): what
+    KEDA's metrics-api trigger scales workers on. It counts what the model's request stream alone
+    does not: requests sent to a worker's own stream for its cache (shared/affinity.py)."""
+    registry = request.app.state.fleet.registry
+    load = registry.load.get(model)
+    if load is None:
+        return json_response(error_body(f"The model `{model}` does not exist.", 404, param="model"), 404)
+    view = registry.models.get(model)
+    return json_response({"model": model, "requests": load.waiting + load.running, "waiting": load.waiting,
+                          "running": load.running, "workers": len(view.workers) if view else 0,
+                          "slots": view.capacity if view else 0})
+
+
 @router.get("/health")
 async def health() -> Response:
     return Response(status_code=200)

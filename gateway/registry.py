@@ -13,8 +13,9 @@ Each heartbeat says which request kinds its worker accepts (chat, completion, to
 detokenize); while a model has live workers, a request of a kind none of them accepts is a 503 at
 once (`check_kind`), never queued.
 
-Each refresh also reads every known model's request stream (one pipeline) for the backlog
-gauges: requests waiting for a worker and requests running on one.
+Each refresh also reads every known model's request stream, and the own stream of each of its
+live workers (`shared/affinity.py`), in one pipeline, for the backlog gauges and `/fleet/load`:
+requests waiting for a worker and requests running on one.
 """
 
 from __future__ import annotations
@@ -56,6 +57,14 @@ class ModelView:
 
 
 @dataclass(slots=True)
+class Load:
+    """A model's requests in the fleet, from its streams: waiting for a worker, and running on one."""
+
+    waiting: int = 0
+    running: int = 0
+
+
+@dataclass(slots=True)
 class _Remembered:
     seen_at: float  # monotonic time this gateway last saw the model served
     max_model_len: int
@@ -68,6 +77,7 @@ class WorkerRegistry:
         self.configured = frozenset(configured_models)
         self._remembered: dict[str, _Remembered] = {}
         self._reported: set[str] = set()  # models with backlog series on /metrics
+        self.load: dict[str, Load] = {}  # by known model, as of the last refresh
         self._refreshed = 0.0
         self.stopping = asyncio.Event()
 
@@ -108,34 +118,43 @@ class WorkerRegistry:
         return 0.7 * old.drain_rate + 0.3 * max(done, 0) / (now - self._refreshed)
 
     async def _refresh_backlog(self) -> None:
-        """Set the backlog and live-worker gauges of every known model from its request stream.
+        """Set the backlog and live-worker gauges of every known model from its request streams.
 
-        Answered requests are deleted from the stream, so its length is waiting + running, and
-        the group's pending count is running (workers claim only what their free slots can run).
+        Answered requests are deleted from a stream, so its length is waiting + running, and the
+        group's pending count is running (workers claim only what their free slots can run).
         Redis's own `lag` is not used: it reads NULL whenever a request answered (and deleted)
-        after the last claim lies between still-unanswered ones, which is the usual state of a
-        busy stream. Every gateway reports the same fleet-wide figures: aggregate with max().
+        after the last claim lies between still-unanswered ones, the usual state of a busy
+        stream. A model's figures add its stream's and its live workers' own streams'. Every
+        gateway reports the same fleet-wide figures: aggregate with max().
         """
-        models = sorted(self.known_models())
+        streams = {model: [keys.request_stream(model)] for model in sorted(self.known_models())}
+        for model, view in self.models.items():
+            streams[model] += [keys.worker_stream(model, w.worker_id) for w in view.workers]
         pipe = self.redis.pipeline(transaction=False)
-        for model in models:
-            pipe.xlen(keys.request_stream(model))
-            pipe.xinfo_groups(keys.request_stream(model))
-        replies = await pipe.execute(raise_on_error=False) if models else []
-        for i, model in enumerate(models):
-            length, groups = replies[2 * i], replies[2 * i + 1]
-            if isinstance(length, ResponseError):
-                continue
-            running = _pending(groups)
-            metrics.BACKLOG.labels(model, "waiting").set(max(0, length - running))
-            metrics.BACKLOG.labels(model, "running").set(running)
+        for stream in (stream for names in streams.values() for stream in names):
+            pipe.xlen(stream)
+            pipe.xinfo_groups(stream)
+        replies = iter(await pipe.execute(raise_on_error=False) if streams else [])
+        load = {}
+        for model, names in streams.items():
+            load[model] = Load()
+            for _stream in names:
+                length, groups = next(replies), next(replies)
+                if isinstance(length, ResponseError):
+                    continue
+                running = _pending(groups)
+                load[model].waiting += max(0, length - running)
+                load[model].running += running
+            metrics.BACKLOG.labels(model, "waiting").set(load[model].waiting)
+            metrics.BACKLOG.labels(model, "running").set(load[model].running)
             view = self.models.get(model)
             metrics.LIVE_WORKERS.labels(model).set(len(view.workers) if view else 0)
-        for gone in self._reported - set(models):
+        for gone in self._reported - set(streams):
             for series in ((gone, "waiting"), (gone, "running")):
                 metrics.BACKLOG.remove(*series)
             metrics.LIVE_WORKERS.remove(gone)
-        self._reported = set(models)
+        self._reported = set(streams)
+        self.load = load
 
     async def run(self) -> None:
         while not self.stopping.is_set():

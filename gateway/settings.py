@@ -56,8 +56,8 @@ class GatewaySettings:
                            "as vllm serve has it; off when empty.")
     require_keys: bool = setting(False, "Require a managed API key (llmfleet keys create) on every API request, "
                                  "with its limits and priority.")
-    open_paths: tuple[str, ...] = setting(("/health", "/ready", "/metrics"), "Comma-separated paths answered "
-                                          "without a key.")
+    open_paths: tuple[str, ...] = setting(("/health", "/ready", "/metrics", "/fleet/load"), "Comma-separated paths "
+                                          "answered without a key.")
     rate_window_s: float = setting(60.0, "Seconds over which a key's --rpm and --tpm limits count.")
     sse_event_ids: bool = setting(True, "Give every SSE event an `id:` line (its index), as resuming needs. Off: "
                                   "frames exactly as `vllm serve` writes them, for clients that read SSE naively "

@@ -104,6 +104,13 @@ def test_a_short_prompt_has_no_affinity(fleet):
     assert metric_value(gateway.url, "llmfleet_gateway_affinity_total", model=MODEL) == before
 
 
+def test_the_load_of_an_unknown_model_is_a_404(fleet):
+    gateway, _workers = fleet
+    response = httpx.get(f"{gateway.url}/fleet/load", params={"model": "no-such-model"})
+    assert response.status_code == 404 and response.json()["error"]["param"] == "model"
+    assert httpx.get(f"{gateway.url}/fleet/load", params={"model": MODEL}).json()["workers"] == 2
+
+
 def test_a_stopped_preferred_worker_does_not_hold_its_requests(fleet, redis_url):
     gateway, workers = fleet
     infos = _worker_ids(redis_url)
@@ -143,6 +150,13 @@ def test_a_dead_workers_requests_are_reclaimed_and_its_stream_deleted(redis_url)
                 victim_stream = keys.worker_stream("affinity-dead", infos[victim.pid].worker_id)
                 wait_for(lambda: metric_value(victim.url, "llmfleet_worker_claims_total", model="affinity-dead",
                                               source="own") >= 2, 10, "the victim to claim its requests")
+                # What KEDA scales on counts them, though the model's own stream holds none of them.
+                assert client.xlen(keys.request_stream("affinity-dead")) == 0
+                load = wait_for(lambda: (body := http.get(f"{gateway.url}/fleet/load",
+                                                          params={"model": "affinity-dead"}).json())["running"] == 2
+                                and body, 5, "the gateway to count the requests in the worker's stream")
+                assert load == {"model": "affinity-dead", "requests": 2, "waiting": 0, "running": 2, "workers": 2,
+                                "slots": 8}
                 victim.kill()
                 for answer in answers:  # non-streaming: the survivor runs them again from the start
                     response = answer.result()

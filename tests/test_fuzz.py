@@ -32,7 +32,7 @@ pytestmark = pytest.mark.integration
 
 MODEL = "fuzz-model"
 API_KEY = "fuzz-key-0123456789"
-OPEN_PATHS = ("/health", "/ready", "/metrics")  # answered without a key (the gateway's default)
+OPEN_PATHS = ("/health", "/ready", "/metrics", "/fleet/load")  # answered without a key (the gateway's default)
 MAX_EXAMPLES = int(os.environ.get("LLMFLEET_FUZZ_EXAMPLES", "40"))
 REQUEST_TIMEOUT_S = 20.0
 
@@ -73,8 +73,14 @@ def fuzzed_gateway(redis_url):
 OPERATIONS = [
     *(("POST", path) for path in BODY_MODELS),
     ("GET", "/v1/models"), ("GET", "/health"), ("GET", "/ready"), ("GET", "/metrics"), ("GET", "/version"),
+    ("GET", "/fleet/load"),
     ("GET", "/v1/streams/{response_id}"), ("GET", "/v1/responses/{response_id}"),
     ("DELETE", "/v1/responses/{response_id}"), ("POST", "/v1/responses/{response_id}/cancel"),
+    ("POST", "/v1/sessions"), ("GET", "/v1/sessions"), ("GET", "/v1/sessions/{session_id}"),
+    ("DELETE", "/v1/sessions/{session_id}"), ("GET", "/v1/sessions/{session_id}/history"),
+    ("POST", "/v1/sessions/{session_id}/rollback"), ("POST", "/v1/sessions/{session_id}/save"),
+    ("GET", "/v1/snapshots"), ("GET", "/v1/snapshots/{snapshot_id}"), ("PATCH", "/v1/snapshots/{snapshot_id}"),
+    ("DELETE", "/v1/snapshots/{snapshot_id}"), ("POST", "/v1/snapshots/{snapshot_id}/load"),
 ]
 
 
@@ -123,7 +129,10 @@ def assert_family_error_shape(path: str, status: int, body) -> None:
 
 
 # Operations with something to get wrong (a body, a query) are also sent what does not fit.
-NEGATIVE = [*(("POST", path) for path in BODY_MODELS), ("GET", "/v1/responses/{response_id}")]
+NEGATIVE = [*(("POST", path) for path in BODY_MODELS), ("GET", "/v1/responses/{response_id}"),
+            ("POST", "/v1/sessions"), ("POST", "/v1/sessions/{session_id}/rollback"),
+            ("PATCH", "/v1/snapshots/{snapshot_id}"), ("POST", "/v1/snapshots/{snapshot_id}/load"),
+            ("GET", "/fleet/load")]
 # With a valid key everything, both modes; without one (or with a wrong one) fewer, fitting cases:
 # every answer off the open paths is then a 401.
 RUNS = [(*operation, GenerationMode.POSITIVE, "valid") for operation in OPERATIONS] + \

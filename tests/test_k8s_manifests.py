@@ -20,10 +20,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import jsonschema
 import pytest
 import yaml
 
+from gateway.settings import GatewaySettings
 from shared import keys
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -271,7 +273,7 @@ def test_workers_scale_on_the_served_models_stream(build):
     _, docs = build
     settings = config(docs)
     scaled = one(docs, "ScaledObject", "llmfleet-worker")
-    [trigger] = scaled["spec"]["triggers"]
+    trigger, total = scaled["spec"]["triggers"]
     assert trigger["type"] == "redis-streams"
     metadata = trigger["metadata"]
     served = settings["LLMFLEET_SERVED_MODEL_NAME"]
@@ -284,6 +286,15 @@ def test_workers_scale_on_the_served_models_stream(build):
     redis_port = one(docs, "Service", "llmfleet-redis")["spec"]["ports"][0]["port"]
     assert settings["REDIS_ADDRESS"] == f"llmfleet-redis.{namespace}.svc:{redis_port}"
     assert one(docs, "TriggerAuthentication", trigger["authenticationRef"]["name"])
+    # The requests in the fleet, worker streams included (cache affinity), as the gateways count them.
+    assert total["type"] == "metrics-api" and total["metadata"]["valueLocation"] == "requests"
+    assert total["metadata"]["targetValue"] == settings["LLMFLEET_MAX_CONCURRENCY"]
+    gateway = one(docs, "Service", "llmfleet-gateway")
+    url = httpx.URL(total["metadata"]["url"])
+    assert url.host == f"llmfleet-gateway.{gateway['metadata']['namespace']}.svc"
+    assert url.port == gateway["spec"]["ports"][0]["port"] and url.path == "/fleet/load"
+    assert url.params["model"] == served
+    assert url.path in GatewaySettings().open_paths, "KEDA presents no API key"
 
 
 def test_images_are_named_and_tagged_by_the_overlay(build):

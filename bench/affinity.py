@@ -1,0 +1,265 @@
+"""Cache affinity in the pull queue: multi-turn conversations on two workers, sent to the worker
+that cached them (`--affinity`, the default) against the plain shared queue (`--no-affinity`).
+
+Workloads, each run with both routings on the same workers, one after the other in one run:
+
+1. multi-turn: CONVERSATIONS conversations of TURNS turns at once, each turn sent when the
+   previous one is answered; every conversation starts with the same long system prompt and
+   grows by a user message and the answer each turn;
+2. no reuse: the same number of requests, each a fresh random prompt of the same length, at
+   the same concurrency: affinity has nothing to gain there and must cost nothing.
+
+Each routing gets its own prompts (another system prompt, other words), so what one cached
+cannot help the other. Engines: `scripted` (default) simulates a prefix cache, `prefill` seconds
+per prompt token not cached on that worker (`--scripted-prefill-per-token`), so the routing's
+effect is measured without CPU noise; `vllm` runs two vLLM workers on the tiny model, prefix
+caching on (vLLM's default), with `--enable-prompt-tokens-details` for the hit rate.
+
+Measured at the client, streaming: TTFT (to the first content), requests per second, the prefix
+cache hit rate (cached prompt tokens / prompt tokens, from usage); from the workers' metrics:
+where their requests came from (own stream, shared stream, stolen after waiting on a busy
+worker). Goals (issue #15): with reuse, TTFT p50 at least 2x lower than the shared queue; without
+reuse, throughput >= 0.98x.
+
+    python -m bench.affinity [--engine scripted|vllm] [--quick]
+
+Writes bench/results/affinity[_vllm].json and .png, prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import orjson
+
+from bench.common import ENGINE_ARGS, ENGINE_ENV, RESULTS, Stack, percentile, progress, save
+from tests.procs import metric_value, start_gateway, start_worker, wait_until_served
+
+MODEL = "affinity-bench"
+WORKERS = 2
+SCRIPTED = {"slots": 8, "prefill_per_token": 0.0001, "tokens_per_second": 200, "system_words": 1500,
+            "user_words": 40, "answer_tokens": 32, "conversations": 32, "turns": 8}
+# The tiny model's context is 2,048 tokens, and its tokenizer makes about 1.3 tokens of a word.
+VLLM = {"slots": 8, "system_words": 1000, "user_words": 25, "answer_tokens": 16, "conversations": 16, "turns": 6}
+VOCABULARY = Path(__file__).resolve().parent.parent.joinpath("worker", "tiny_model_corpus.txt").read_text().split()
+
+
+def _words(rng: random.Random, count: int) -> str:
+    return " ".join(rng.choice(VOCABULARY) for _ in range(count))
+
+
+async def _turn(client: httpx.AsyncClient, url: str, messages: list[dict], max_tokens: int) -> dict:
+    started = time.perf_counter()
+    ttft, text, usage = None, [], None
+    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            return {"ok": False}
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = orjson.loads(line[6:])
+            choices = event.get("choices") or []
+            if choices and (content := choices[0].get("delta", {}).get("content")):
+                ttft = ttft or time.perf_counter() - started
+                text.append(content)
+            if event.get("usage") and not choices:
+                usage = event["usage"]
+    details = (usage or {}).get("prompt_tokens_details") or {}
+    return {"ok": ttft is not None and usage is not None, "ttft_s": ttft, "text": "".join(text),
+            "prompt_tokens": (usage or {}).get("prompt_tokens", 0), "cached_tokens": details.get("cached_tokens") or 0}
+
+
+async def _multi_turn(url: str, shape: dict, seed: int, label: str) -> list[dict]:
+    rng = random.Random(seed)
+    system = _words(rng, shape["system_words"])
+    openings = [_words(rng, shape["user_words"]) for _ in range(shape["conversations"])]
+    total = shape["conversations"] * shape["turns"]
+    results: list[dict] = []
+
+    async def conversation(client: httpx.AsyncClient, index: int) -> None:
+        messages = [{"role": "system", "content": system}]
+        local = random.Random(seed * 1000 + index)
+        for turn in range(shape["turns"]):
+            user = openings[index] if turn == 0 else _words(local, shape["user_words"])
+            messages.append({"role": "user", "content": user})
+            result = await _turn(client, url, messages, shape["answer_tokens"])
+            results.append(result)
+            progress(f"  {label}", len(results), total)
+            messages.append({"role": "assistant", "content": result.get("text", "")})
+
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=256)) as client:
+        await asyncio.gather(*(conversation(client, i) for i in range(shape["conversations"])))
+    return results
+
+
+async def _no_reuse(url: str, shape: dict, seed: int, label: str) -> list[dict]:
+    """As many single-turn requests as the multi-turn workload has turns, at the same concurrency."""
+    rng = random.Random(seed)
+    total = shape["conversations"] * shape["turns"]
+    results: list[dict] = []
+
+    async def sender(client: httpx.AsyncClient) -> None:
+        for _ in range(shape["turns"]):
+            messages = [{"role": "system", "content": _words(rng, shape["system_words"])},
+                        {"role": "user", "content": _words(rng, shape["user_words"])}]
+            results.append(await _turn(client, url, messages, shape["answer_tokens"]))
+            progress(f"  {label}", len(results), total)
+
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=256)) as client:
+        await asyncio.gather(*(sender(client) for _ in range(shape["conversations"])))
+    return results
+
+
+def _claims(workers) -> dict[str, float]:
+    return {source: sum(metric_value(w.url, "llmfleet_worker_claims_total", model=MODEL, source=source)
+                        for w in workers) for source in ("own", "shared", "stolen")}
+
+
+def _row(workload: str, routing: str, results: list[dict], elapsed: float, claims: dict[str, float]) -> dict:
+    done = [r for r in results if r["ok"]]
+    ttfts = [r["ttft_s"] * 1000 for r in done]
+    prompt = sum(r["prompt_tokens"] for r in done)
+    return {
+        "workload": workload, "routing": routing, "requests": len(results), "errors": len(results) - len(done),
+        "ttft_p50_ms": percentile(ttfts, 50), "ttft_p99_ms": percentile(ttfts, 99),
+        "requests_per_s": len(done) / elapsed, "cache_hit": sum(r["cached_tokens"] for r in done) / prompt if prompt else 0,
+        "prompt_tokens_mean": prompt / len(done) if done else 0,
+        "claims": claims,
+    }
+
+
+async def _measure(redis_url: str, workers, shape: dict) -> list[dict]:
+    rows = []
+    seed = 1
+    for workload, run in (("multi-turn", _multi_turn), ("no reuse", _no_reuse)):
+        for routing, flags in (("shared queue", ["--no-affinity"]), ("affinity", [])):
+            gateway = start_gateway(redis_url, *flags)
+            try:
+                wait_until_served(gateway, MODEL, timeout=60)
+                before = _claims(workers)
+                started = time.perf_counter()
+                results = await run(gateway.url, shape, seed, f"{workload}, {routing}")
+                elapsed = time.perf_counter() - started
+                after = _claims(workers)
+            finally:
+                gateway.stop()
+            seed += 1
+            rows.append(_row(workload, routing, results, elapsed, {k: after[k] - before[k] for k in after}))
+    return rows
+
+
+def run(engine: str, quick: bool) -> dict:
+    shape = dict(SCRIPTED if engine == "scripted" else VLLM)
+    if quick:
+        shape.update(conversations=8, turns=4)
+    with Stack() as stack:
+        if engine == "scripted":
+            args = ["--scripted-prefill-per-token", str(shape["prefill_per_token"]), "--scripted-tokens-per-second",
+                    str(shape["tokens_per_second"])]
+            workers = [start_worker(stack.redis.url, MODEL, *args, "--max-concurrency", str(shape["slots"]))
+                       for _ in range(WORKERS)]
+        else:
+            from worker.tiny_model import write_tiny_model
+
+            model_dir = write_tiny_model(Path(stack._tmp.name) / "tiny")
+            sys.stderr.write(f"starting {WORKERS} vLLM workers on the tiny model (about a minute)...\n")
+            workers = [start_worker(stack.redis.url, str(model_dir), *ENGINE_ARGS, "--enable-prompt-tokens-details",
+                                    "--max-concurrency", str(shape["slots"]), engine="vllm", served_name=MODEL,
+                                    env=ENGINE_ENV, timeout=300) for _ in range(WORKERS)]
+        stack.procs += workers
+        rows = asyncio.run(_measure(stack.redis.url, workers, shape))
+    return {"measured_at": time.strftime("%Y-%m-%d %H:%M"), "engine": engine, "workers": WORKERS, "shape": shape,
+            "quick": quick, "rows": rows}
+
+
+def _ratios(result: dict) -> dict[str, float]:
+    rows = {(r["workload"], r["routing"]): r for r in result["rows"]}
+    reuse_shared, reuse_affinity = rows["multi-turn", "shared queue"], rows["multi-turn", "affinity"]
+    fresh_shared, fresh_affinity = rows["no reuse", "shared queue"], rows["no reuse", "affinity"]
+    return {"ttft_p50_gain": reuse_shared["ttft_p50_ms"] / reuse_affinity["ttft_p50_ms"],
+            "ttft_p99_gain": reuse_shared["ttft_p99_ms"] / reuse_affinity["ttft_p99_ms"],
+            "no_reuse_throughput": fresh_affinity["requests_per_s"] / fresh_shared["requests_per_s"]}
+
+
+def table(result: dict) -> str:
+    out = [("| workload | routing | requests | TTFT p50 (ms) | TTFT p99 (ms) | requests/s | prefix cache hits | "
+            "claimed own / shared / stolen | errors |"), "|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        c = r["claims"]
+        out.append(f"| {r['workload']} | {r['routing']} | {r['requests']} | {r['ttft_p50_ms']:.1f} | "
+                   f"{r['ttft_p99_ms']:.1f} | {r['requests_per_s']:.1f} | {r['cache_hit']:.0%} | "
+                   f"{c['own']:.0f} / {c['shared']:.0f} / {c['stolen']:.0f} | {r['errors']} |")
+    ratios = _ratios(result)
+    out += ["", (f"Multi-turn TTFT with affinity: p50 {ratios['ttft_p50_gain']:.1f}x lower, p99 "
+                 f"{ratios['ttft_p99_gain']:.1f}x lower (goal: p50 >= 2x). No reuse: throughput "
+                 f"{ratios['no_reuse_throughput']:.2f}x the shared queue's (goal: >= 0.98x).")]
+    return "\n".join(out)
+
+
+def plot(result: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.6))
+    names = [f"{r['workload']}\n{r['routing']}" for r in rows]
+    colors = ["#9aa5b1" if r["routing"] == "shared queue" else "#3b7dd8" for r in rows]
+    for ax, key, label in ((axes[0], "ttft_p50_ms", "TTFT p50 (ms)"), (axes[1], "requests_per_s", "requests/s"),
+                           (axes[2], "cache_hit", "prefix cache hit rate")):
+        ax.bar(range(len(rows)), [r[key] for r in rows], color=colors)
+        ax.set_xticks(range(len(rows)), names, fontsize=7)
+        ax.set_title(label)
+    fig.suptitle(f"cache affinity, {result['engine']} engine, {result['workers']} workers")
+    fig.tight_layout()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    fig.savefig(RESULTS / _name(result["engine"], "png"), dpi=110)
+    plt.close(fig)
+
+
+def _name(engine: str, suffix: str) -> str:
+    return f"affinity{'' if engine == 'scripted' else '_' + engine}.{suffix}"
+
+
+def section(results: list[dict]) -> list[str]:
+    """docs/benchmarks.md's section (bench.report): one part per engine measured."""
+    out = ["", "## 5. Cache affinity (multi-turn conversations, two workers)", "",
+           ("`python -m bench.affinity [--engine vllm]`: conversations share a long system prompt and grow by a "
+            "user message and its answer each turn, all at once, each turn sent when the last is answered; then as "
+            "many single-turn requests with fresh random prompts of the same length (no reuse). Each workload runs "
+            "through a gateway with `--no-affinity` (the shared queue) and one with affinity (the default), on the "
+            "same workers, with prompts of their own. TTFT is the client's, streaming.")]
+    for result in results:
+        shape = result["shape"]
+        engine = ("scripted engine simulating a prefix cache "
+                  f"({shape['prefill_per_token'] * 1000:.2f} ms of prefill per uncached prompt token, "
+                  f"{shape['tokens_per_second']} tokens/s)" if result["engine"] == "scripted"
+                  else "vLLM on the tiny model, prefix caching on")
+        out += ["", f"### {result['engine']}: {engine}", "",
+                (f"{shape['conversations']} conversations x {shape['turns']} turns, system prompt of "
+                 f"{shape['system_words']} words, {shape['user_words']}-word user turns, {shape['answer_tokens']}-token "
+                 f"answers, {result['workers']} workers of {shape['slots']} slots"
+                 + (" (**a --quick run**)" if result["quick"] else "") + f"; measured {result['measured_at']}."),
+                "", table(result), "", f"![cache affinity, {result['engine']}]({_name(result['engine'], 'png')})"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engine", choices=("scripted", "vllm"), default="scripted")
+    parser.add_argument("--quick", action="store_true", help="8 conversations of 4 turns")
+    args = parser.parse_args(argv)
+    return save(_name(args.engine, "json").removesuffix(".json"), run(args.engine, args.quick), plot, table)
+
+
+if __name__ == "__main__":
+    main()
