@@ -53,6 +53,7 @@ test: install system-deps
 	LLMFLEET_TEST_REDIS=cluster $(BIN)/python -m pytest -q -m "integration and not vllm" \
 	  tests/test_fleet.py tests/test_cancellation.py tests/test_cancel_stress.py tests/test_invalid_requests.py \
 	  tests/test_keys.py tests/test_rate_limits.py tests/test_fair_share.py tests/test_resumable_streams.py \
+	  tests/test_affinity.py tests/test_sessions.py \
 	  tests/faults --ignore=tests/faults/test_soak.py --ignore=tests/faults/test_redis_restart.py \
 	  --ignore=tests/faults/test_partition.py --ignore=tests/faults/test_stops.py
 

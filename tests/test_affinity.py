@@ -1,7 +1,7 @@
 """Cache affinity in the pull queue (shared/affinity.py), with real gateways, Redis and scripted
 workers that simulate a prefix cache: a conversation's turns go to the worker that cached it; a
 stopped preferred worker's requests are taken by another after a few milliseconds; a dead one's
-running requests are reclaimed and its stream deleted."""
+running requests are reclaimed; a stopped one's stream is deleted."""
 
 from __future__ import annotations
 
@@ -15,7 +15,15 @@ from shared import affinity, keys, redis_pool
 from shared.codec import decode
 from shared.envelopes import RequestEnvelope, WorkerInfo
 from tests.conftest import leftover_keys
-from tests.procs import metric_value, start_gateway, start_redis, start_worker, wait_for, wait_until_served
+from tests.procs import (
+    metric_value,
+    start_gateway,
+    start_redis,
+    start_redis_cluster,
+    start_worker,
+    wait_for,
+    wait_until_served,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -26,7 +34,9 @@ CACHED = ("--scripted-prefill-per-token", "0.0001", "--max-concurrency", "4")
 
 @pytest.fixture(scope="module")
 def redis_url():
-    proc = start_redis()  # its own: the tests stop workers and look at every key left
+    """A Redis of its own (the tests stop workers and look at every key left); a cluster with
+    LLMFLEET_TEST_REDIS=cluster."""
+    proc = start_redis_cluster() if os.environ.get("LLMFLEET_TEST_REDIS") == "cluster" else start_redis()
     yield proc.url
     proc.stop()
 
@@ -126,7 +136,7 @@ def test_a_stopped_preferred_worker_does_not_hold_its_requests(fleet, redis_url)
     assert metric_value(running.url, "llmfleet_worker_claims_total", model=MODEL, source="stolen") > stolen_before
 
 
-def test_a_dead_workers_requests_are_reclaimed_and_its_stream_deleted(redis_url):
+def test_a_dead_workers_requests_are_reclaimed(redis_url):
     slow = ("--scripted-tokens-per-second", "20", "--claim-idle", "1")
     workers = [start_worker(redis_url, "affinity-dead", *CACHED, *slow) for _ in range(2)]
     gateway = start_gateway(redis_url)
@@ -164,7 +174,13 @@ def test_a_dead_workers_requests_are_reclaimed_and_its_stream_deleted(redis_url)
                     assert response.json()["choices"][0]["finish_reason"] == "length"
         assert metric_value(survivor.url, "llmfleet_worker_claims_total", model="affinity-dead",
                             source="reclaimed") >= 2
-        wait_for(lambda: not client.exists(victim_stream), 10, "the dead worker's stream to be deleted")
+        assert client.xlen(victim_stream) == 0  # deleted once its worker has been silent for FORGET_AFTER_S
+        # A worker that stops says so (its heartbeat's expiry at 0): the others delete its stream at once.
+        workers.append(start_worker(redis_url, "affinity-dead", *CACHED, *slow))
+        survivor_stream = keys.worker_stream("affinity-dead", infos[survivor.pid].worker_id)
+        assert client.exists(survivor_stream)
+        survivor.stop()
+        wait_for(lambda: not client.exists(survivor_stream), 10, "the stopped worker's stream to be deleted")
     finally:
         gateway.stop()
         for worker in workers:

@@ -48,6 +48,7 @@ DRAIN_REDIS_GRACE_S = 10.0  # a draining worker drops its replies once Redis has
 CLAIM_STOP_S = 2.0  # a claim blocks 1 s: past this, Redis hangs, and the claim is cancelled
 STOP_CANCEL_S = 2.0  # a cancelled loop that has not ended after this is left behind
 DEREGISTER_S = 2.0  # the last write of a stop: removing the heartbeat, which expires anyway
+FORGET_AFTER_S = 30.0  # a worker whose heartbeat expired this long ago has its empty stream deleted
 
 
 def new_worker_id() -> str:
@@ -216,19 +217,22 @@ class RequestConsumer:
         """
         idle_ms = int(self.claim_idle_s * 1000)
         while not await pause(self._stop_claiming, self.claim_idle_s / 2):
+            now_ms = time.time() * 1000
             try:
-                dead = await self.redis.zrangebyscore(keys.affinity_streams(self.model), "-inf", time.time() * 1000)
+                dead = await self.redis.zrangebyscore(keys.affinity_streams(self.model), "-inf", now_ms,
+                                                      withscores=True)
             except RedisError as exc:
                 log.warning("reading the workers' streams failed: %s", exc)
                 dead = []
-            for stream in [self.stream, *(name.decode() for name in dead)]:
+            for stream, expired_at in [(self.stream, now_ms), *((name.decode(), at) for name, at in dead)]:
                 free = self.max_concurrency - self.in_flight
                 if free <= 0:
                     break
                 try:
                     _next, entries, *_ = await self.redis.xautoclaim(
                         stream, keys.WORKER_GROUP, self.worker_id, idle_ms, "0-0", count=free)
-                    if stream != self.stream and not entries:
+                    # A worker silent that long is gone, not stalled (a stopped one said so: at 0).
+                    if stream != self.stream and not entries and expired_at < now_ms - FORGET_AFTER_S * 1000:
                         await self._forget(keys=[keys.affinity_streams(self.model), stream])
                 except RedisError as exc:
                     log.warning("reclaiming requests failed: %s", exc)
