@@ -1,11 +1,12 @@
 """The whole benchmark harness, one command: `python -m bench` (or `make bench`).
 
 Runs, in order, each on fresh processes: gateway capacity (scripted engine), the engine path
-(`vllm bench serve` against vllm serve, llmfleet and LiteLLM), cancel latency (vLLM
-worker) and fair share between tenants (scripted workers). Progress goes to stderr; each part writes bench/results/NAME.json and its PNG; then
+(`vllm bench serve` against vllm serve, llmfleet and LiteLLM), cancel latency (vLLM worker),
+fair share between tenants (scripted workers) and cache affinity (scripted, then vLLM workers).
+Progress goes to stderr; each part writes bench/results/NAME.json and its PNG; then
 docs/benchmarks.md is rebuilt from those results (`bench.report`).
 
-    python -m bench [--quick] [--before REF] [--only gateway,engine,cancel,fairness]
+    python -m bench [--quick] [--before REF] [--only gateway,engine,cancel,fairness,affinity,affinity-vllm]
 
 `--quick` is a smoke run of a few minutes; its report goes to bench/results/benchmarks.md and
 leaves docs/ alone. `--before REF` adds llmfleet as of git revision REF to the relay
@@ -20,7 +21,7 @@ import sys
 import time
 import traceback
 
-from bench import cancel_latency, engine_path, fair_share, gateway_capacity, report
+from bench import affinity, cancel_latency, engine_path, fair_share, gateway_capacity, report
 
 PARTS = {
     "gateway": lambda args: gateway_capacity.main(["--quick"] * args.quick + (["--before", args.before]
@@ -29,6 +30,8 @@ PARTS = {
                                                                        if args.before else [])),
     "cancel": lambda args: cancel_latency.main(["--trials", "20" if args.quick else "100", "--load", "8"]),
     "fairness": lambda args: fair_share.main(["--quick"] * args.quick),
+    "affinity": lambda args: affinity.main(["--quick"] * args.quick),
+    "affinity-vllm": lambda args: affinity.main(["--engine", "vllm", *["--quick"] * args.quick]),
 }
 
 

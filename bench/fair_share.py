@@ -101,8 +101,8 @@ def run(quick: bool) -> dict:
 
 def table(result: dict) -> str:
     idle = result["rows"][0]
-    out = ["| phase | light requests | light queue wait p50 (ms) | p99 (ms) | max (ms) | p99 / idle p99 | "
-           "heavy queue wait p50 (ms) | heavy served/s | service p50 (ms) | errors |",
+    out = [("| phase | light requests | light queue wait p50 (ms) | p99 (ms) | max (ms) | p99 / idle p99 | "
+           "heavy queue wait p50 (ms) | heavy served/s | service p50 (ms) | errors |"),
            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         heavy_wait = "" if r["heavy_wait_p50_ms"] is None else f"{r['heavy_wait_p50_ms']:.0f}"

@@ -14,13 +14,13 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from bench import engine_path, fair_share, gateway_capacity
+from bench import affinity, engine_path, fair_share, gateway_capacity
 from bench.common import RESULTS, ROOT
 
 DOCS = ROOT / "docs"
 NOTES = ROOT / "bench" / "notes.md"
 PLOTS = ("engine_path.png", "relay_throughput.png", "gateway_ttft.png", "gateway_streams.png", "cancel_latency.png",
-         "fair_share.png")
+         "fair_share.png", "affinity.png", "affinity_vllm.png")
 
 HEADER = """# Benchmarks
 
@@ -129,6 +129,8 @@ def render(quick: bool) -> str:
                 "![cancel latency](cancel_latency.png)"]
     if fairness := _load("fair_share"):
         out += fair_share.section(fairness)
+    if cache := [result for name in ("affinity", "affinity_vllm") if (result := _load(name))]:
+        out += affinity.section(cache)
     if NOTES.exists():
         out += ["", NOTES.read_text().strip()]
     return "\n".join(out) + "\n"
