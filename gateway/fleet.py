@@ -197,7 +197,8 @@ class Fleet:
         except (TimeoutError, RedisError, OSError) as exc:
             log.warning("closing the Redis pool failed: %s", exc)
 
-    def _spawn(self, job) -> asyncio.Task:
+    def spawn(self, job) -> asyncio.Task:
+        """Run `job` in the background; `stop` waits for it (bounded)."""
         task = asyncio.create_task(job)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -265,12 +266,12 @@ class Fleet:
         if run.ending is None:
             run.close()
             self.router.close(run.request_id)
-            run.ending = self._spawn(self._unregister(run))
+            run.ending = self.spawn(self._unregister(run))
         return run.ending
 
     def _cancel_slow_client(self, request_id: str) -> None:
         metrics.SLOW_CLIENTS.inc()
-        self._spawn(self.cancels.cancel_requests([request_id], "slow_client"))
+        self.spawn(self.cancels.cancel_requests([request_id], "slow_client"))
 
     async def _enqueue(self, envelope: RequestEnvelope) -> None:
         """Queue the request unless its model's queue is full (the check and the add are one script):

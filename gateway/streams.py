@@ -143,6 +143,7 @@ class DetachedRun:
         self._listeners: set[asyncio.Queue[Frames | None]] = set()
         self._ended = asyncio.Event()
         self._watching: asyncio.Task | None = None  # `_cancel_when_unread`, which ends with the run
+        self._relaying = False  # the relay task has taken its first step (and so owns the run's ending)
 
     def listen(self) -> asyncio.Queue[Frames | None]:
         """A queue of the frames published from now on, then None at the end (or when the reader
@@ -168,9 +169,13 @@ class DetachedRun:
                 except (RedisError, OSError) as exc:  # nobody could read it
                     raise ServiceUnavailable("The request queue is unreachable; try again shortly.") from exc
             self.fleet.detached[self.response_id] = self
-            # From here the relay owns the run: its `finally` ends it (`owner.aclose()`).
-            self.task = asyncio.create_task(self._relay(owner.pop_all(), run, started),
+            # From here the relay owns the run: its `finally` ends it (`owner.aclose()`); if the task is
+            # cancelled before its first step, its done callback does.
+            relay_owner = owner.pop_all()
+            self.task = asyncio.create_task(self._relay(relay_owner, run, started),
                                             name=f"detached {self.response_id}")
+            self.task.add_done_callback(lambda task: None if self._relaying else self.fleet.spawn(
+                self._end_unstarted(relay_owner, run, started)))
         if self.reader_grace_s is not None:
             self._watching = asyncio.create_task(self._cancel_when_unread(self.reader_grace_s))
 
@@ -180,6 +185,7 @@ class DetachedRun:
             self.task.cancel()
 
     async def _relay(self, owner: AsyncExitStack, run: Run, started: float) -> None:
+        self._relaying = True
         metrics.OPEN_STREAMS.inc()
         error: BaseException | None = None
         try:
@@ -200,6 +206,14 @@ class DetachedRun:
             finish_run(run, self.envelope, self.writer.formatter, started, error)
             await owner.aclose()  # `Fleet.submit`'s ending (the cancel of an unended run) before the log's
             await self._end(error)
+
+    async def _end_unstarted(self, owner: AsyncExitStack, run: Run, started: float) -> None:
+        """The ending of a relay cancelled before its first step (its `finally` never ran)."""
+        cancelled = asyncio.CancelledError()
+        metrics.OPEN_STREAMS.inc()  # as `_relay` counts it, for `finish_run` to count it out
+        finish_run(run, self.envelope, self.writer.formatter, started, cancelled)
+        await owner.aclose()
+        await self._end(cancelled)
 
     async def _first(self, run: Run) -> tuple[GenerationChunk, AsyncIterator[GenerationChunk]]:
         try:

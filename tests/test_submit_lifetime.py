@@ -128,3 +128,28 @@ async def test_every_way_out_of_the_block_ends_the_run(redis_url, redis_client):
             assert left_behind(redis_client, fleet, request) == [], way_out
             # An unended run is cancelled on its worker, whatever the way out.
             assert redis_client.get(keys.cancelled_key(request.request_id)) == b"disconnect", way_out
+
+
+async def test_a_detached_run_cancelled_before_its_first_step_still_ends(redis_url, redis_client):
+    """A resumable run's relay task owns its ending from its first step; cancelled before that (the
+    gateway stopping at once), its done callback ends the run instead: route closed, the run
+    unregistered and cancelled, the event log ended, nothing left in `fleet.detached`."""
+    from gateway.openai.chat import ChatFormatter
+    from gateway.protocol import ChatCompletionRequest
+    from gateway.streams import DetachedRun
+
+    request = envelope(f"life-{uuid.uuid4().hex[:8]}")
+    request.stream = True
+    body = ChatCompletionRequest(model=request.model, messages=request.body["messages"], stream=True)
+    async with in_process_fleet(redis_url) as fleet:
+        detached = DetachedRun(fleet, request, ChatFormatter(body, request))
+        await detached.start()
+        detached.task.cancel()  # before the loop runs it: its coroutine never starts
+        with pytest.raises(asyncio.CancelledError):
+            await detached.task
+        await asyncio.wait_for(asyncio.gather(*fleet._tasks), 10)  # the ending, in the background
+        await asyncio.wait_for(asyncio.gather(*fleet._tasks), 10)  # and the unregistering it started
+        assert left_behind(redis_client, fleet, request) == []
+        assert redis_client.get(keys.cancelled_key(request.request_id)) == b"disconnect"
+        assert detached.response_id not in fleet.detached
+        assert redis_client.ttl(keys.event_log_key(detached.response_id)) > 0
