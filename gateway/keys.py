@@ -39,7 +39,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway import tenancy
+from gateway import ratelimit, tenancy
 from gateway.anthropic import errors as anthropic_errors
 from gateway.errors import error_body
 from gateway.settings import GatewaySettings
@@ -172,7 +172,7 @@ class KeyStore:
 @dataclass(slots=True)
 class KeyUse:
     key: ApiKey
-    headers: list[tuple[bytes, bytes]] = field(default_factory=list)  # x-ratelimit-*, set by admission
+    limits: list = field(default_factory=list)  # its `ratelimit.Limit`s, set by admission
 
 
 _current: contextvars.ContextVar[KeyUse | None] = contextvars.ContextVar("llmfleet_api_key", default=None)
@@ -263,8 +263,10 @@ class FrontDoor:
         token = _current.set(use)
 
         async def send_with_limits(message) -> None:
-            if message["type"] == "http.response.start" and use.headers:
-                message = {**message, "headers": [*message.get("headers", ()), *use.headers]}
+            if message["type"] == "http.response.start" and use.limits:
+                headers = (ratelimit.anthropic_headers(use.limits, time.time()) if anthropic_errors.owns(scope["path"])
+                           else ratelimit.openai_headers(use.limits))
+                message = {**message, "headers": [*message.get("headers", ()), *headers]}
             await send(message)
 
         try:

@@ -24,8 +24,9 @@ stream cannot be refused half-way), so the tokens served can pass `tpm` by what 
 generate after it; new requests are refused until the window has room again.
 
 A refusal is a 429 (`RateLimited`, with Retry-After) in the family's error shape. Every answer to
-a request that reached admission, refused or not, carries OpenAI's x-ratelimit-* headers of the
-key's limits (`gateway.keys.FrontDoor` adds them to the response's start).
+a request that reached admission, refused or not, carries the key's limits in its family's
+headers: OpenAI's x-ratelimit-*, or Anthropic's anthropic-ratelimit-* on /v1/messages
+(`gateway.keys.FrontDoor` adds them to the response's start).
 
 Usage: every admitted request of a managed key, and its prompt and completion tokens (the
 worker's counts), are added per model to the key's usage hash in Redis (`llmfleet keys usage`)
@@ -38,6 +39,7 @@ import asyncio
 import logging
 import math
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
 from redis.exceptions import RedisError
 
@@ -205,7 +207,9 @@ class RateLimits:
             args=[self.window_s, redis_keys.RATE_SLOTS, key.rpm, key.tpm, key.max_parallel, estimate,
                   envelope.request_id, envelope.deadline + 1, envelope.model, redis_keys.USAGE_TTL_S])
         refused = refused.decode() if isinstance(refused, bytes) else refused
-        use.headers = _limit_headers(key, requests, requests_reset, tokens, tokens_reset)
+        use.limits = [Limit(kind, limit, max(0, limit - used), reset_ms / 1000) for kind, limit, used, reset_ms in
+                      (("requests", key.rpm, requests, requests_reset), ("tokens", key.tpm, tokens, tokens_reset))
+                      if limit > 0]
         if refused:
             raise _refusal(key, refused, estimate, requests_reset, tokens_reset)
         metrics.KEY_REQUESTS.labels(key.name, envelope.model).inc()
@@ -267,17 +271,31 @@ def _text_chars(value) -> int:
     return 0
 
 
-def _limit_headers(key: keys.ApiKey, requests: int, requests_reset_ms: int, tokens: int,
-                   tokens_reset_ms: int) -> list[tuple[bytes, bytes]]:
-    """OpenAI's x-ratelimit-* headers, for the limits the key has."""
-    headers = []
-    for kind, limit, used, reset_ms in (("requests", key.rpm, requests, requests_reset_ms),
-                                        ("tokens", key.tpm, tokens, tokens_reset_ms)):
-        if limit > 0:
-            headers += [(f"x-ratelimit-limit-{kind}".encode(), str(limit).encode()),
-                        (f"x-ratelimit-remaining-{kind}".encode(), str(max(0, limit - used)).encode()),
-                        (f"x-ratelimit-reset-{kind}".encode(), duration(reset_ms / 1000).encode())]
-    return headers
+@dataclass(slots=True)
+class Limit:
+    """One of a key's limits as an answer reports it."""
+    kind: str  # requests, tokens
+    limit: int
+    remaining: int
+    reset_s: float  # until the window has room again
+
+
+def openai_headers(limits: list[Limit]) -> list[tuple[bytes, bytes]]:
+    """OpenAI's x-ratelimit-{limit,remaining,reset}-{requests,tokens}: the reset as a duration."""
+    return [header for lim in limits for header in (
+        (f"x-ratelimit-limit-{lim.kind}".encode(), str(lim.limit).encode()),
+        (f"x-ratelimit-remaining-{lim.kind}".encode(), str(lim.remaining).encode()),
+        (f"x-ratelimit-reset-{lim.kind}".encode(), duration(lim.reset_s).encode()))]
+
+
+def anthropic_headers(limits: list[Limit], now: float) -> list[tuple[bytes, bytes]]:
+    """Anthropic's anthropic-ratelimit-{requests,tokens}-{limit,remaining,reset}: the reset as an
+    RFC 3339 time."""
+    return [header for lim in limits for header in (
+        (f"anthropic-ratelimit-{lim.kind}-limit".encode(), str(lim.limit).encode()),
+        (f"anthropic-ratelimit-{lim.kind}-remaining".encode(), str(lim.remaining).encode()),
+        (f"anthropic-ratelimit-{lim.kind}-reset".encode(),
+         datetime.fromtimestamp(math.ceil(now + lim.reset_s), UTC).isoformat().replace("+00:00", "Z").encode()))]
 
 
 def duration(seconds: float) -> str:

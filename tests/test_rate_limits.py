@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from datetime import datetime
 
 import anthropic
 import httpx
@@ -192,5 +193,11 @@ def test_anthropic_clients_get_rate_limit_error(limited_fleet, redis_url):
     with pytest.raises(anthropic.RateLimitError) as refused:
         client.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
     assert refused.value.body["type"] == "error" and refused.value.body["error"]["type"] == "rate_limit_error"
-    assert refused.value.response.headers["x-ratelimit-limit-requests"] == "1"
-    assert int(refused.value.response.headers["retry-after"]) >= 1
+    headers = refused.value.response.headers
+    assert int(headers["retry-after"]) >= 1
+    # Anthropic's own headers, the reset as an RFC 3339 time within the window; not OpenAI's.
+    assert headers["anthropic-ratelimit-requests-limit"] == "1"
+    assert headers["anthropic-ratelimit-requests-remaining"] == "0"
+    reset = datetime.fromisoformat(headers["anthropic-ratelimit-requests-reset"])
+    assert reset.tzinfo is not None and 0 < reset.timestamp() - time.time() <= 61
+    assert "x-ratelimit-limit-requests" not in headers
