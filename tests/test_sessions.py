@@ -392,3 +392,32 @@ def test_every_key_has_a_ttl_and_sessions_are_bounded(redis_client_of, http):
 def redis_client_of(fleet):
     redis_proc, _ = fleet
     return redis_pool.connect_sync(redis_proc.url)
+
+
+def test_sessions_and_snapshots_belong_to_the_key_that_made_them(fleet):
+    """With managed keys, another key neither sees nor reaches a key's sessions and snapshots."""
+    from tests.test_keys import create_key
+
+    redis, _gateways = fleet
+    gateway = start_gateway(redis.url, "--require-keys")
+    try:
+        (_a, owner), (_b, stranger) = create_key(redis.url), create_key(redis.url)
+        with httpx.Client(base_url=gateway.url, timeout=60, headers={"Authorization": f"Bearer {owner}"}) as mine, \
+                httpx.Client(base_url=gateway.url, timeout=60,
+                             headers={"Authorization": f"Bearer {stranger}"}) as theirs:
+            session_id = new_session(mine)
+            # The first turn once its registry has refreshed (a refused turn stores nothing).
+            wait_for(lambda: turn(mine, session_id, {"role": "user", "content": "hello there"}).status_code == 200,
+                     15, "the key's first turn")
+            snapshot_id = mine.post(f"/v1/sessions/{session_id}/save").json()["snapshot_id"]
+            assert mine.get(f"/v1/sessions/{session_id}/history").json()["messages"]
+            for path in (f"/v1/sessions/{session_id}", f"/v1/sessions/{session_id}/history",
+                         f"/v1/snapshots/{snapshot_id}"):
+                assert theirs.get(path).status_code == 404, path
+            assert turn(theirs, session_id, {"role": "user", "content": "mine now"}).status_code == 404
+            assert theirs.delete(f"/v1/sessions/{session_id}").status_code == 404
+            assert session_id not in str(theirs.get("/v1/sessions").json())
+            assert snapshot_id not in str(theirs.get("/v1/snapshots").json())
+            assert mine.get(f"/v1/sessions/{session_id}").status_code == 200  # untouched by the stranger
+    finally:
+        gateway.stop()
