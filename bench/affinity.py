@@ -43,8 +43,8 @@ from tests.procs import metric_value, start_gateway, start_worker, wait_until_se
 
 MODEL = "affinity-bench"
 WORKERS = 2
-SCRIPTED = {"slots": 8, "prefill_per_token": 0.0001, "tokens_per_second": 200, "system_words": 1500,
-            "user_words": 40, "answer_tokens": 32, "conversations": 32, "turns": 8}
+SCRIPTED = {"slots": 16, "prefill_per_token": 0.0001, "tokens_per_second": 200, "system_words": 1500,
+            "user_words": 100, "answer_tokens": 100, "conversations": 32, "turns": 8}
 # The tiny model's context is 2,048 tokens, and its tokenizer makes about 1.3 tokens of a word.
 VLLM = {"slots": 8, "system_words": 1000, "user_words": 25, "answer_tokens": 16, "conversations": 16, "turns": 6}
 VOCABULARY = Path(__file__).resolve().parent.parent.joinpath("worker", "tiny_model_corpus.txt").read_text().split()

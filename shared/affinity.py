@@ -2,8 +2,9 @@
 prefix in cache, and no worker idles while another's requests wait.
 
 Every worker of a model has a stream of its own beside the model's shared request stream
-(`keys.worker_stream`), in the same consumer group. A worker claims with one XREADGROUP of both,
-its own first. The gateway chooses where a request goes:
+(`keys.worker_stream`), in the same consumer group. A worker claims (`CLAIM`) the oldest waiting
+entries of the two, so requests keep their arrival order: affinity chooses which worker serves a
+request, never that it jumps the queue. The gateway chooses where a request goes:
 
 - A request worth caching (a chat whose messages, or a prompt, pass `MIN_PROMPT_CHARS`) has an
   affinity key: a digest of its opening (the messages up to the first user message, which every
@@ -116,6 +117,38 @@ for _, stream in ipairs(streams) do
         redis.call('ZADD', KEYS[1], 'XX', string.match(nxt[1][1], '^%d+'), stream)
       end
     end
+  end
+end
+return out
+"""
+
+# KEYS: own stream, model's stream. ARGV: group, consumer, most entries. Claims for the consumer the
+# oldest waiting entries of the two streams (entry ids are arrival times); returns {stream, entry
+# id, fields} triples, the own stream's first.
+CLAIM = _WAITING + """
+local function waiting(stream, count)
+  local state = group_state(stream, ARGV[1])
+  if state == nil then return {} end
+  return redis.call('XRANGE', stream, '(' .. state['last-delivered-id'], '+', 'COUNT', count)
+end
+local function older(a, b)
+  local a_ms, a_seq = string.match(a, '^(%d+)-(%d+)$')
+  local b_ms, b_seq = string.match(b, '^(%d+)-(%d+)$')
+  if #a_ms ~= #b_ms then return #a_ms < #b_ms end
+  if a_ms ~= b_ms then return a_ms < b_ms end
+  return tonumber(a_seq) < tonumber(b_seq)
+end
+local count = tonumber(ARGV[3])
+local own, shared = waiting(KEYS[1], count), waiting(KEYS[2], count)
+local i, j = 1, 1
+while i + j - 2 < count and (i <= #own or j <= #shared) do
+  if j > #shared or (i <= #own and older(own[i][1], shared[j][1])) then i = i + 1 else j = j + 1 end
+end
+local out = {}
+for n, stream in ipairs({{KEYS[1], i - 1}, {KEYS[2], j - 1}}) do
+  if stream[2] > 0 then
+    local got = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', stream[2], 'STREAMS', stream[1], '>')
+    for _, entry in ipairs(got[1][2]) do out[#out + 1] = {stream[1], entry[1], entry[2]} end
   end
 end
 return out

@@ -1,9 +1,9 @@
 """The worker's consumer loop: claims requests from its model's stream and runs them.
 
 A worker pulls: it asks the consumer group for at most as many requests as it has free slots,
-so work lands where there is room and no router has to guess load. It reads its own stream first
-(requests sent to it for its cache, `shared/affinity.py`), then its model's, and when both are
-empty for `steal_after_s`, what has waited that long in other workers' own streams. Each claimed request runs
+so work lands where there is room and no router has to guess load. It claims the oldest waiting
+requests of its own stream (sent to it for its cache, `shared/affinity.py`) and its model's, and
+when both are empty for `steal_after_s`, what has waited that long in other workers' own streams. Each claimed request runs
 as its own task; its chunks go to the `ReplyPublisher`. Cancels reach it by pub/sub and their
 stashes (`worker/cancels.py`) and the adapter as `abort(request_id)`. A heartbeat key tells the
 gateways what this worker serves and how busy it is; the same beat renews the leases of the
@@ -75,6 +75,7 @@ class RequestConsumer:
         self.own_stream = keys.worker_stream(self.model, self.worker_id)
         self.steal_after_s = steal_after_s
         self._bind = redis.register_script(fair_queue.BIND)
+        self._claim = redis.register_script(affinity.CLAIM)
         self._steal = redis.register_script(affinity.STEAL)
         self._move = redis.register_script(affinity.MOVE)
         self._forget = redis.register_script(affinity.FORGET)
@@ -168,8 +169,9 @@ class RequestConsumer:
         await self.redis.expire(self.own_stream, keys.AFFINITY_STREAM_TTL_S)
 
     async def claim_requests(self) -> None:
-        """Claim as many requests as there are free slots: this worker's own first, then its model's,
-        then, after `steal_after_s` with neither, what has waited that long in other workers' own."""
+        """Claim as many requests as there are free slots: the oldest waiting in this worker's own
+        stream and its model's (blocking on both while they are empty), then, after `steal_after_s`
+        with neither, what has waited that long in other workers' own streams."""
         block_ms = max(1, round(self.steal_after_s * 1000))
         while not self.draining:
             free = self.max_concurrency - self.in_flight
@@ -179,7 +181,7 @@ class RequestConsumer:
                 continue
             source = None  # by stream: own or shared
             try:
-                entries = (await self._read({self.own_stream: ">"}, free, block_ms=None)
+                entries = (await self._oldest_waiting(free)
                            or await self._read({self.own_stream: ">", self.stream: ">"}, free, block_ms))
                 if not entries:
                     entries, source = await self._steal_waiting(free), "stolen"
@@ -200,12 +202,14 @@ class RequestConsumer:
         entries = [(stream.decode(), entry_id, fields) for stream, got in replies or () for entry_id, fields in got]
         return sorted(entries, key=lambda entry: entry[0] != self.own_stream)
 
+    async def _oldest_waiting(self, count: int) -> list[tuple]:
+        return _entries(await self._claim(keys=[self.own_stream, self.stream],
+                                          args=[keys.WORKER_GROUP, self.worker_id, count]))
+
     async def _steal_waiting(self, count: int) -> list[tuple]:
-        stolen = await self._steal(keys=[keys.affinity_waiting(self.model)], args=[
+        return _entries(await self._steal(keys=[keys.affinity_waiting(self.model)], args=[
             keys.WORKER_GROUP, self.worker_id, count, int(time.time() * 1000), round(self.steal_after_s * 1000),
-            self.own_stream])
-        return [(stream.decode(), entry_id, dict(zip(flat[::2], flat[1::2], strict=True)))
-                for stream, entry_id, flat in stolen]
+            self.own_stream]))
 
     async def reclaim_requests(self) -> None:
         """Take over requests whose worker died: pending entries idle past `claim_idle_s`, in the
@@ -565,6 +569,12 @@ class _Progress:
             return {"prefill_s": now - self.started, "decode_s": 0.0}
         metrics.DECODE_TIME.labels(model).observe(now - self.first_token_at)
         return {"prefill_s": self.first_token_at - self.started, "decode_s": now - self.first_token_at}
+
+
+def _entries(triples) -> list[tuple]:
+    """A claiming script's {stream, entry id, flat fields} triples as (stream, entry id, fields)."""
+    return [(stream.decode(), entry_id, dict(zip(flat[::2], flat[1::2], strict=True)))
+            for stream, entry_id, flat in triples]
 
 
 def _cancelled_terminal(request: RequestEnvelope) -> GenerationChunk:

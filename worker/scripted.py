@@ -9,9 +9,10 @@ Media content parts (images, audio) are not read. Pacing options make a run slow
 to start or slow to stream, so tests can cancel or kill it at a chosen point.
 
 With `prefill_per_token`, the engine simulates a prefix cache: it remembers the blocks of 16
-prompt tokens (words) it has seen, as vLLM's prefix caching does, and waits that long for each
-prompt token not found there before the first token; usage reports the cached tokens. So the
-benefit of sending a conversation back to its worker can be measured without an engine.
+prompt tokens (words) it has seen, as vLLM's prefix caching does, and before the first token
+waits that long for each prompt token not found there, one prefill at a time (prefill is the
+engine's compute, which its requests share); usage reports the cached tokens. So the benefit of
+sending a conversation back to its worker can be measured without an engine.
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ class ScriptedAdapter(GenerationAdapter):
         self.first_token_delay = first_token_delay
         self.prefill_per_token = prefill_per_token
         self.cache = PrefixCache() if prefill_per_token > 0 else None
+        self._prefill = asyncio.Lock()
         self._aborts: dict[str, asyncio.Event] = {}
 
     async def abort(self, request_id: str) -> None:
@@ -125,14 +127,15 @@ class ScriptedAdapter(GenerationAdapter):
             )
         max_tokens = params.max_tokens or DEFAULT_MAX_TOKENS
         aborted = self._aborts[request.request_id] = asyncio.Event()
-        delay, cached = self.first_token_delay, None
-        if self.cache is not None:
-            tokens = every_prompt_word(request)
-            cached = self.cache.lookup_and_insert(tokens)
-            delay += (len(tokens) - cached) * self.prefill_per_token
+        cached = None
         try:
+            if self.cache is not None:
+                tokens = every_prompt_word(request)
+                cached = self.cache.lookup_and_insert(tokens)
+                async with self._prefill:
+                    await self._pause((len(tokens) - cached) * self.prefill_per_token, aborted)
             async for chunk in self._run(prompts, max_tokens, params.n, params.stop or [], aborted,
-                                         params.logprobs, request.kind, delay):
+                                         params.logprobs, request.kind):
                 if chunk.done:
                     chunk.usage.cached_tokens = cached
                 yield chunk
@@ -146,8 +149,8 @@ class ScriptedAdapter(GenerationAdapter):
         else:
             await asyncio.sleep(0)  # let cancels and other requests in between tokens
 
-    async def _run(self, prompts, max_tokens, n, stops, aborted, logprobs, kind, delay):
-        await self._pause(delay, aborted)
+    async def _run(self, prompts, max_tokens, n, stops, aborted, logprobs, kind):
+        await self._pause(self.first_token_delay, aborted)
         choices = len(prompts) * n
         texts = [""] * choices
         finish: list[str | None] = [None] * choices
