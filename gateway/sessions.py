@@ -41,9 +41,10 @@ from gateway import tenancy
 from gateway.errors import json_response
 from gateway.fleet import Fleet, GatewaySettings
 from gateway.serving import Formatter, serve_body, serve_generation
+from gateway.streams import serve_resumable
 from shared import keys
 from shared.envelopes import Candidate, GenerationChunk, RequestEnvelope
-from shared.errors import Conflict, InvalidRequest, NotFound
+from shared.errors import Conflict, FleetError, InvalidRequest, NotFound
 
 router = APIRouter()
 
@@ -446,11 +447,18 @@ async def serve_chat(body: Any, request: Request, fleet: Fleet, envelope: Reques
         return await serve_body(body, request, fleet, envelope, formatter)
     if body.n != 1:
         raise InvalidRequest("A turn of a session has one answer: `n` must be 1.", param="n")
-    if body.resumable:
-        raise InvalidRequest("A turn of a session cannot be resumable.", param="resumable")
     turn = await session_store(fleet).begin_turn(body.session_id, envelope, envelope.body["messages"],
                                                  body.discard_thinking)
     envelope.body["messages"] = turn.prompt()
+    if body.resumable:  # the run outlives its client: its own end stores the turn
+        async def store_turn(_terminal: GenerationChunk | None, _error: FleetError | None) -> None:
+            await turn.end(formatter.turn if formatter.turn.seen else None)  # refused: only released
+
+        try:
+            return await serve_resumable(request, fleet, envelope, formatter, on_terminal=store_turn)
+        except BaseException:  # refused before it ran (429, 503): nothing to store
+            turn.end_soon(None)
+            raise
     try:
         answer = await serve_generation(request, fleet, envelope, formatter)
     except BaseException:

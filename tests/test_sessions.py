@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
+import orjson
 import pytest
 
 from shared import codec, redis_pool
@@ -202,6 +203,26 @@ def test_a_turn_whose_client_disconnects_stores_what_was_generated(redis_client_
     assert after["usage"]["prompt_tokens"] == words("slow words", partial, "next")
 
 
+def test_a_resumable_turn_is_stored_whole_though_its_client_left(http):
+    """A resumable turn runs on without its client: its whole answer is stored when the run ends,
+    and the stream can be resumed on the other gateway meanwhile."""
+    one, other = http
+    session_id = new_session(one)
+    body = {"model": MODEL, "messages": [user("resumed words")], "max_tokens": 200, "stream": True,
+            "resumable": True, "session_id": session_id}
+    with one.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        first = next(line for line in lines if line.startswith("data: {"))
+    response_id = orjson.loads(first[6:])["id"]
+    resumed = other.get(f"/v1/streams/{response_id}", headers={"Last-Event-ID": "0"})
+    assert resumed.status_code == 200 and "data: [DONE]" in resumed.text
+    stored = wait_for(lambda: (h := history(other, session_id)) and len(h) == 2 and h, 30, "the turn to be stored")
+    assert stored[0] == user("resumed words")
+    assert stored[1]["role"] == "assistant" and len(stored[1]["content"].split()) == 200  # whole, not cut
+    assert turn(other, session_id, user("next")).status_code == 200  # its lock was released
+
+
 def test_two_turns_at_once_one_is_refused(http):
     one, other = http
     session_id = new_session(one)
@@ -225,7 +246,6 @@ def test_turn_errors(http):
     assert_error(turn(one, "no-such-session", user("hi")), 404, "session_id")
     assert_error(turn(one, session_id, user("hi"), n=2, temperature=1.0), 400, "n")
     assert_error(turn(one, 42, user("hi")), 400, "session_id")
-    assert_error(turn(one, session_id, user("hi"), stream=True, resumable=True), 400, "resumable")
     assert history(one, session_id) == []  # refused turns store nothing and leave the session free
     assert turn(one, session_id, user("hi")).status_code == 200
     # The extensions are the gateway's: a request without a session that carries one is served.
