@@ -19,6 +19,7 @@ Encoding to bytes happens only in `shared.codec`.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Literal
 
@@ -41,14 +42,19 @@ def _field_names(cls) -> frozenset[str]:
     return frozenset(f.name for f in fields(cls))
 
 
+@functools.cache
+def _defaults(cls) -> tuple[tuple[str, Any], ...]:
+    """(name, default) of each field of a dataclass, MISSING where it has none: read once per class."""
+    return tuple((f.name, f.default) for f in fields(cls))
+
+
 def _compact(obj) -> dict[str, Any]:
     """The fields of a dataclass that differ from their defaults, as plain values."""
     out = {}
-    for f in fields(obj):
-        value = getattr(obj, f.name)
-        if f.default is not MISSING and value == f.default:
-            continue
-        out[f.name] = value
+    for name, default in _defaults(type(obj)):
+        value = getattr(obj, name)
+        if default is MISSING or value != default:
+            out[name] = value
     return out
 
 
