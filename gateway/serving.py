@@ -395,23 +395,43 @@ async def stream_frames(run: Run, envelope: RequestEnvelope, writer: EventWriter
 
 
 class ClientDisconnected(Exception):
-    """The client hung up before the response started."""
+    """The client hung up (before the response started, but for `SSEResponse`'s own use)."""
 
 
 async def race_disconnect(request: Request, work):
     """Await `work`, or raise ClientDisconnected if the client hangs up first."""
-    work_task = asyncio.ensure_future(work)
-    disconnect_task = asyncio.ensure_future(_wait_for_disconnect(request.receive))
-    try:
-        done, _ = await asyncio.wait({work_task, disconnect_task}, return_when=asyncio.FIRST_COMPLETED)
-        if work_task in done:
-            return work_task.result()
-        work_task.cancel()
-        raise ClientDisconnected
-    finally:
-        disconnect_task.cancel()
-        if not work_task.done():
-            work_task.cancel()
+    with CancelledOnDisconnect(request.receive):
+        return await work
+
+
+class CancelledOnDisconnect:
+    """Inside it, the client's hang-up cancels the task that entered, at the await under way, and
+    the block ends with ClientDisconnected; any other cancel goes on as it is. One asyncio task
+    reads `receive`: the work stays in the request's task, where racing it in a task of its own
+    costs a second task and an `asyncio.wait` per request."""
+
+    def __init__(self, receive):
+        self._receive = receive
+
+    def __enter__(self) -> None:
+        self._task = asyncio.current_task()
+        self._inside = True
+        self._cancelled = False
+        self._listener = asyncio.ensure_future(_wait_for_disconnect(self._receive))
+        self._listener.add_done_callback(self._heard)
+
+    def _heard(self, listener: asyncio.Task) -> None:
+        # A done callback runs while the task waits at an await inside the block (if `_inside`):
+        # the cancel lands there.
+        if self._inside and not listener.cancelled() and listener.exception() is None:
+            self._cancelled = True
+            self._task.cancel()
+
+    def __exit__(self, kind, exc, traceback) -> None:
+        self._inside = False
+        self._listener.cancel()
+        if self._cancelled and self._task.uncancel() == 0 and kind is asyncio.CancelledError:
+            raise ClientDisconnected from exc
 
 
 async def _wait_for_disconnect(receive) -> None:
@@ -428,8 +448,8 @@ class LastPart(bytes):
 class SSEResponse(StreamingResponse):
     """A stream of SSE parts, each part one send: Starlette's `StreamingResponse` less two costs of
     the hot path. Its last part (`LastPart`) goes out with the end of the body, not before an empty
-    one. A client's disconnect cancels the stream through a plain asyncio task reading `receive`,
-    not an anyio task group around a second task: the stream runs in the request's own task."""
+    one. A client's disconnect cancels the stream (`CancelledOnDisconnect`), not an anyio task
+    group around a second task: the stream runs in the request's own task."""
 
     media_type = "text/event-stream"
 
@@ -437,29 +457,11 @@ class SSEResponse(StreamingResponse):
         super().__init__(parts)
 
     async def __call__(self, scope, receive, send) -> None:
-        stream = asyncio.current_task()
-        streaming = disconnected = False
-
-        def on_disconnect(listener: asyncio.Task) -> None:
-            nonlocal disconnected
-            if not listener.cancelled() and listener.exception() is None:
-                disconnected = True
-                if streaming:  # then the stream waits at an await inside `stream_response`
-                    stream.cancel()
-
-        listener = asyncio.ensure_future(_wait_for_disconnect(receive))
-        listener.add_done_callback(on_disconnect)
         try:
-            streaming = True
-            await self.stream_response(send)
-        except asyncio.CancelledError:
-            # Our own cancel (the client left) ends the response as Starlette's cancel scope does;
-            # any other cancel goes on up.
-            if not disconnected or stream.uncancel() > 0:
-                raise
-        finally:
-            streaming = False
-            listener.cancel()
+            with CancelledOnDisconnect(receive):
+                await self.stream_response(send)
+        except ClientDisconnected:
+            pass  # the stream was cancelled where it stood, as Starlette's cancel scope does
 
     async def stream_response(self, send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
