@@ -487,11 +487,11 @@ async def _stored_at_end(parts: AsyncIterator[bytes], turn: Turn, answer: Assist
 
 class NewSession(BaseModel):
     session_id: SessionId
-    max_seq_len: Annotated[StrictInt, Field(gt=0)] | None = None
+    max_seq_len: Annotated[StrictInt, Field(gt=0, le=2**31 - 1)] | None = None  # stored as JSON: a bounded int
 
 
 class Rollback(BaseModel):
-    keep_messages: Annotated[StrictInt, Field(ge=0)]
+    keep_messages: Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]
 
 
 class Labels(BaseModel):
