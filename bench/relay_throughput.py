@@ -6,8 +6,11 @@ worker, so it is the floor of HTTP + SSE cost on this machine. llmfleet adds the
 gateway → Redis → scripted worker (no pacing) → Redis → gateway. The ratio is what the queue
 costs. With `--before REF`, llmfleet as of git revision REF runs too (its own Redis, worker and
 gateway from `git archive REF`): before/after figures of a hot-path change, from one run.
+`--rounds N` measures every server N times, before and after in alternating order, and gives
+each figure's median (with the rounds' own values in the JSON): on shared cores one round's
+req/s moves by ±20%, more than most single changes.
 
-    python -m bench.relay_throughput [--seconds 15] [--concurrency 64] [--before REF]
+    python -m bench.relay_throughput [--seconds 15] [--concurrency 64] [--before REF] [--rounds N]
 
 Writes bench/results/relay_throughput.json and .png and prints a markdown table.
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import statistics
 import sys
 import time
 from typing import Self
@@ -106,19 +110,36 @@ def baseline_server():
         proc.stop()
 
 
-def run(seconds: float, concurrency: int, before: str | None = None) -> dict:
-    rows = []
-    with baseline_server() as baseline:
-        rows.append(measure("baseline: bare SSE server", baseline.url, baseline.pid, seconds, concurrency))
-    if before:
-        with source_tree(before) as source, Fleet(source) as fleet:
-            rows.append(measure(f"llmfleet before ({before})", fleet.url, fleet.pid, seconds, concurrency))
-    with Fleet() as fleet:
-        rows.append(measure("llmfleet: gateway + Redis + worker", fleet.url, fleet.pid, seconds, concurrency))
+def run(seconds: float, concurrency: int, before: str | None = None, rounds: int = 1) -> dict:
+    with contextlib.ExitStack() as stack:
+        servers = [("baseline: bare SSE server", baseline_server)]
+        if before:
+            source = stack.enter_context(source_tree(before))
+            servers.append((f"llmfleet before ({before})", lambda: Fleet(source)))
+        servers.append(("llmfleet: gateway + Redis + worker", Fleet))
+        samples: dict[str, list[dict]] = {name: [] for name, _ in servers}
+        for i in range(rounds):
+            llmfleets = servers[1:] if i % 2 == 0 else servers[:0:-1]  # before and after take turns going first
+            for name, start in [servers[0], *llmfleets]:
+                with start() as server:
+                    samples[name].append(measure(name, server.url, server.pid, seconds, concurrency))
+    rows = [_median(samples[name]) for name, _ in servers]
     for row in rows:
         row["ratio_to_baseline"] = row["requests_per_s"] / rows[0]["requests_per_s"]
     return {"tokens_per_stream": TOKENS, "concurrency": concurrency, "seconds": seconds, "before": before,
-            "measured_at": time.strftime("%Y-%m-%d %H:%M"), "rows": rows}
+            "rounds": rounds, "measured_at": time.strftime("%Y-%m-%d %H:%M"), "rows": rows}
+
+
+def _median(samples: list[dict]) -> dict:
+    """One server's rounds as one row: the median of each figure, and the rounds themselves."""
+    row = dict(samples[0])
+    for key, value in row.items():
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            row[key] = statistics.median(sample[key] for sample in samples)
+    row["errors"] = sum(sample["errors"] for sample in samples)
+    if len(samples) > 1:
+        row["rounds"] = samples
+    return row
 
 
 def table(result: dict) -> str:
@@ -129,6 +150,10 @@ def table(result: dict) -> str:
                      f"| {r['ttft_p99_ms']:.1f} | {r['server_cpu_ms_per_request']:.2f} | "
                      f"{r['server_cpu_ms_per_request'] / result['tokens_per_stream']:.3f} | {r['errors']} | "
                      f"{r['ratio_to_baseline']:.2f} |")
+    if result.get("rounds", 1) > 1:
+        lines.append(f"\nMedians of {result['rounds']} rounds; each round's req/s and server CPU ms/request:")
+        lines += [f"- {r['name']}: " + ", ".join(f"{x['requests_per_s']:.0f} ({x['server_cpu_ms_per_request']:.2f})"
+                                                 for x in r["rounds"]) for r in result["rows"]]
     return "\n".join(lines)
 
 
@@ -146,8 +171,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seconds", type=float, default=15)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--before", help="also measure llmfleet as of this git revision")
+    parser.add_argument("--rounds", type=int, default=1, help="measure each server this many times; medians")
     args = parser.parse_args(argv)
-    return save("relay_throughput", run(args.seconds, args.concurrency, args.before), plot, table)
+    return save("relay_throughput", run(args.seconds, args.concurrency, args.before, args.rounds), plot, table)
 
 
 if __name__ == "__main__":
