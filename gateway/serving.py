@@ -395,7 +395,7 @@ async def stream_frames(run: Run, envelope: RequestEnvelope, writer: EventWriter
 
 
 class ClientDisconnected(Exception):
-    """The client hung up (before the response started, but for `SSEResponse`'s own use)."""
+    """The client hung up: before the response started, or (caught in `SSEResponse`) during a stream."""
 
 
 async def race_disconnect(request: Request, work):
