@@ -464,11 +464,14 @@ class SSEResponse(StreamingResponse):
             pass  # the stream was cancelled where it stood, as Starlette's cancel scope does
 
     async def stream_response(self, send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         last = b""
-        # Closed on every way out: a cancel in `send` leaves the body waiting at a yield.
+        # Closed on every way out: a cancel in `send` leaves the body waiting at a yield. Entered
+        # before the response starts: a body that owns a run (`_sse_body`) ends it even if the
+        # client is gone before the first byte (a body never started would never run its ending).
         async with aclosing(self.body_iterator) as parts:
-            async for part in parts:
+            part = await anext(parts, None)
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            while part is not None:
                 if last:  # a part came after the one marked last: send that one as it is
                     await send({"type": "http.response.body", "body": last, "more_body": True})
                 if isinstance(part, LastPart):
@@ -476,6 +479,7 @@ class SSEResponse(StreamingResponse):
                 else:
                     last = b""
                     await send({"type": "http.response.body", "body": part, "more_body": True})
+                part = await anext(parts, None)
         await send({"type": "http.response.body", "body": last, "more_body": False})
 
 

@@ -153,3 +153,29 @@ async def test_a_detached_run_cancelled_before_its_first_step_still_ends(redis_u
         assert redis_client.get(keys.cancelled_key(request.request_id)) == b"disconnect"
         assert detached.response_id not in fleet.detached
         assert redis_client.ttl(keys.event_log_key(detached.response_id)) > 0
+
+
+@pytest.mark.parametrize("failure", ["gone at the start", "cancelled at the start"])
+async def test_a_stream_whose_client_is_gone_before_its_first_byte_still_ends_its_run(failure):
+    """An SSE body that owns a run ends it on every way out; a body never started would never
+    run its ending, so the response enters it before it sends anything."""
+    from gateway.serving import SSEResponse
+
+    ended = asyncio.Event()
+
+    async def body():
+        try:
+            yield b"data: {}\n\n"
+        finally:
+            ended.set()  # as `_sse_body` ends its run (`Fleet.submit`'s exit)
+
+    async def send(message):
+        if message["type"] == "http.response.start":
+            if failure == "gone at the start":
+                raise OSError("the client closed the connection")
+            raise asyncio.CancelledError
+
+    response = SSEResponse(body())
+    with pytest.raises((OSError, asyncio.CancelledError)):
+        await response.stream_response(send)
+    assert ended.is_set()
