@@ -142,12 +142,13 @@ class _Connection(asyncio.Protocol):
 class Target:
     """Where the load goes and the request it sends: one POST, prebuilt as bytes."""
 
-    def __init__(self, url: str, path: str, body: dict, timeout: float = 60.0):
+    def __init__(self, url: str, path: str, body: dict, timeout: float = 60.0, headers: dict[str, str] | None = None):
         self.timeout = timeout
         parts = urlsplit(url)
         self.host, self.port = parts.hostname, parts.port
         payload = orjson.dumps(body)
-        self.request = (f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+        extra = "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
+        self.request = (f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n{extra}"
                         f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n").encode() + payload
 
     async def connect(self, on_first: Callable[[], None] | None = None) -> _Connection:

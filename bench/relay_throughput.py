@@ -10,7 +10,10 @@ gateway from `git archive REF`): before/after figures of a hot-path change, from
 each figure's median (with the rounds' own values in the JSON): on shared cores one round's
 req/s moves by ±20%, more than most single changes.
 
-    python -m bench.relay_throughput [--seconds 15] [--concurrency 64] [--before REF] [--rounds N]
+    python -m bench.relay_throughput [--seconds 15] [--concurrency 64] [--before REF] [--rounds N] [--keys]
+
+`--keys` adds llmfleet with managed keys required (`--require-keys`) and a key whose rpm and tpm
+are checked on every request and never reached: what the front door costs.
 
 Writes bench/results/relay_throughput.json and .png and prints a markdown table.
 """
@@ -20,10 +23,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
+import subprocess
 import sys
 import time
 from typing import Self
 
+import httpx
 import uvloop
 
 from bench.common import RESULTS, cpu_seconds, plot_bars, save, source_tree
@@ -35,6 +40,7 @@ from tests.procs import (
     start_gateway,
     start_redis,
     start_worker,
+    wait_for,
     wait_until_answers,
     wait_until_served,
 )
@@ -45,10 +51,11 @@ BODY = {"model": MODEL, "messages": [{"role": "user", "content": "one two three 
         "stream": True}
 
 
-def measure(name: str, url: str, pid: int, seconds: float, concurrency: int) -> dict:
+def measure(name: str, url: str, pid: int, seconds: float, concurrency: int,
+            headers: dict[str, str] | None = None) -> dict:
     """Closed-loop load on one server; rates, TTFT and the server process's CPU per request."""
     sys.stderr.write(f"  {name}: {seconds:.0f}s at concurrency {concurrency}...\n")
-    target = Target(url, "/v1/chat/completions", BODY)
+    target = Target(url, "/v1/chat/completions", BODY, headers=headers)
     uvloop.run(closed_loop(target, concurrency, 1.0))  # warm-up: connections, first-request costs
     cpu_before = cpu_seconds(pid)
     results, elapsed = uvloop.run(closed_loop(target, concurrency, seconds))
@@ -65,6 +72,8 @@ class Fleet:
     """Redis, one scripted worker (unpaced unless `worker_args` say otherwise) and one gateway; from
     this tree or from `source`."""
 
+    headers: dict[str, str] | None = None  # what each request presents
+
     def __init__(self, source: str | None = None, *gateway_args: str, worker_args: tuple[str, ...] = ()):
         env = {"PYTHONSAFEPATH": "1", "PYTHONPATH": source} if source else None
         self.redis = start_redis()
@@ -74,10 +83,13 @@ class Fleet:
                                            *worker_args, env=env))
             self.gateway = start_gateway(self.redis.url, *gateway_args, env=env)
             self.procs.append(self.gateway)
-            wait_until_served(self.gateway, MODEL)
+            self._ready()
         except BaseException:
             self.stop()
             raise
+
+    def _ready(self) -> None:
+        wait_until_served(self.gateway, MODEL)
 
     @property
     def url(self) -> str:
@@ -98,6 +110,23 @@ class Fleet:
         self.stop()
 
 
+class KeyedFleet(Fleet):
+    """The same, with managed keys required (`--require-keys`) and one key whose limits are checked
+    on every request and never reached: the front door's cost."""
+
+    def __init__(self):
+        super().__init__(None, "--require-keys")
+
+    def _ready(self) -> None:
+        secret = subprocess.run(
+            [sys.executable, "-m", "llmfleet", "keys", "create", "--name", "bench", "--rpm", "100000000", "--tpm",
+             "1000000000000", "--redis-url", self.redis.url], capture_output=True, text=True, check=True,
+            timeout=60).stdout.strip().splitlines()[-1]
+        self.headers = {"Authorization": f"Bearer {secret}"}
+        wait_for(lambda: httpx.get(f"{self.url}/v1/models", headers=self.headers, timeout=5).json().get("data"),
+                 30, "the model to be listed")
+
+
 @contextlib.contextmanager
 def baseline_server():
     port = free_port()
@@ -110,19 +139,22 @@ def baseline_server():
         proc.stop()
 
 
-def run(seconds: float, concurrency: int, before: str | None = None, rounds: int = 1) -> dict:
+def run(seconds: float, concurrency: int, before: str | None = None, rounds: int = 1, keyed: bool = False) -> dict:
     with contextlib.ExitStack() as stack:
         servers = [("baseline: bare SSE server", baseline_server)]
         if before:
             source = stack.enter_context(source_tree(before))
             servers.append((f"llmfleet before ({before})", lambda: Fleet(source)))
         servers.append(("llmfleet: gateway + Redis + worker", Fleet))
+        if keyed:
+            servers.append(("llmfleet with a managed key (--require-keys, rpm and tpm checked)", KeyedFleet))
         samples: dict[str, list[dict]] = {name: [] for name, _ in servers}
         for i in range(rounds):
             llmfleets = servers[1:] if i % 2 == 0 else servers[:0:-1]  # before and after take turns going first
             for name, start in [servers[0], *llmfleets]:
                 with start() as server:
-                    samples[name].append(measure(name, server.url, server.pid, seconds, concurrency))
+                    samples[name].append(measure(name, server.url, server.pid, seconds, concurrency,
+                                                 getattr(server, "headers", None)))
     rows = [_median(samples[name]) for name, _ in servers]
     for row in rows:
         row["ratio_to_baseline"] = row["requests_per_s"] / rows[0]["requests_per_s"]
@@ -172,8 +204,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--before", help="also measure llmfleet as of this git revision")
     parser.add_argument("--rounds", type=int, default=1, help="measure each server this many times; medians")
+    parser.add_argument("--keys", action="store_true", help="also llmfleet with managed keys required")
     args = parser.parse_args(argv)
-    return save("relay_throughput", run(args.seconds, args.concurrency, args.before, args.rounds), plot, table)
+    return save("relay_throughput", run(args.seconds, args.concurrency, args.before, args.rounds, args.keys), plot,
+                table)
 
 
 if __name__ == "__main__":
