@@ -263,7 +263,7 @@ def analysis(result: dict) -> str:
     return (
         f"With reuse, affinity claimed {routed['claims']['own']:.0f} of {routed['requests']} turns from the worker's "
         f"own stream, {routed['claims']['stolen']:.0f} were taken by the other worker after waiting "
-        "`--steal-after-ms` (20) for a busy one, and the prefix cache hit rate went from "
+        "`--steal-after-ms` (10) for a busy one, and the prefix cache hit rate went from "
         f"{shared['cache_hit']:.0%} to {routed['cache_hit']:.0%}: the shared system prompt is cached on both workers "
         "either way, what affinity adds is each conversation's own history. TTFT p50 "
         f"{shared['ttft_p50_ms']:.0f} -> {routed['ttft_p50_ms']:.0f} ms ({ratios['ttft_p50_gain']:.1f}x), throughput "

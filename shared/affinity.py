@@ -17,9 +17,8 @@ request, never that it jumps the queue. The gateway chooses where a request goes
   (bounded loads: a hot key spills to its second worker, then to the shared stream). It is one
   script, so the check and the add are atomic. A request with no key, or no room, goes to the
   shared stream as before (`shared.fair_queue`).
-- A worker with a free slot that found nothing in its own or the shared stream for
-  `--steal-after-ms` takes (`STEAL`) the entries that have waited longer than that in other
-  workers' streams, oldest first. The streams that may hold waiting entries are a sorted set
+- A worker with a free slot takes (`STEAL`), every `--steal-after-ms`, the entries that have
+  waited longer than that in other workers' streams, oldest first. The streams that may hold waiting entries are a sorted set
   (`keys.affinity_waiting`), scored no later than their oldest waiting entry: a busy or stopped
   preferred worker delays a request by that much, and never leaves it waiting while another
   worker has room.
@@ -154,15 +153,16 @@ end
 return out
 """
 
-# KEYS: model's stream, own stream, waiting set, bindings. ARGV: group, now (ms), ttl, maxlen, envelope
-# field, then (entry id, envelope) pairs of entries claimed from the model's stream beyond a
-# worker's free slots: each moves to the worker's own stream (its ticket's binding goes with it).
+# KEYS: the entries' stream, own stream, waiting set [, bindings: when the entries are the model's
+# stream's]. ARGV: group, now (ms), ttl, maxlen, envelope field, then (entry id, envelope) pairs of
+# entries claimed beyond a worker's free slots: each moves to the worker's own stream (a ticket's
+# binding goes with it).
 MOVE = """
 for i = 6, #ARGV, 2 do
   redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', ARGV[5], ARGV[i + 1])
   redis.call('XACK', KEYS[1], ARGV[1], ARGV[i])
   redis.call('XDEL', KEYS[1], ARGV[i])
-  redis.call('HDEL', KEYS[4], ARGV[i])
+  if KEYS[4] then redis.call('HDEL', KEYS[4], ARGV[i]) end
 end
 redis.call('EXPIRE', KEYS[2], ARGV[3])
 redis.call('ZADD', KEYS[3], 'NX', ARGV[2], KEYS[2])

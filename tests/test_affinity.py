@@ -5,8 +5,8 @@ running requests are reclaimed; a stopped one's stream is deleted."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
-import signal
 
 import httpx
 import pytest
@@ -72,19 +72,20 @@ def _chat(gateway, messages: list[dict], **extra) -> dict:
     return response.json()
 
 
-def _worker_ids(redis_url: str) -> dict[int, WorkerInfo]:
+def _infos(redis_url: str, model: str) -> list[WorkerInfo]:
+    """The heartbeats of `model`'s live workers."""
     client = redis_pool.connect_sync(redis_url)
     infos = [decode(WorkerInfo, value) for value in client.mget(list(client.scan_iter(match="llmfleet:worker:*")))
              if value is not None]
-    return {int(info.worker_id.split("-")[-2]): info for info in infos if info.model == MODEL}
+    return [info for info in infos if info.model == model]
 
 
-def _preferring(worker: WorkerInfo, workers: list[WorkerInfo], count: int) -> list[int]:
+def _preferring(worker: WorkerInfo, workers: list[WorkerInfo], count: int, model: str = MODEL) -> list[int]:
     """Conversations whose first choice is `worker`."""
     chosen = []
     conversation = 0
     while len(chosen) < count:
-        envelope = RequestEnvelope("r", MODEL, "chat", "", 0.0, body={"messages": _messages(conversation, 1)})
+        envelope = RequestEnvelope("r", model, "chat", "", 0.0, body={"messages": _messages(conversation, 1)})
         if affinity.ranked(affinity.key_of(envelope), workers)[0].worker_id == worker.worker_id:
             chosen.append(conversation)
         conversation += 1
@@ -121,19 +122,35 @@ def test_the_load_of_an_unknown_model_is_a_404(fleet):
     assert httpx.get(f"{gateway.url}/fleet/load", params={"model": MODEL}).json()["workers"] == 2
 
 
-def test_a_stopped_preferred_worker_does_not_hold_its_requests(fleet, redis_url):
-    gateway, workers = fleet
-    infos = _worker_ids(redis_url)
-    stopped, running = workers
-    conversations = _preferring(infos[stopped.pid], list(infos.values()), 3)
-    stolen_before = metric_value(running.url, "llmfleet_worker_claims_total", model=MODEL, source="stolen")
-    os.kill(stopped.pid, signal.SIGSTOP)
+def test_a_busy_preferred_worker_does_not_hold_its_requests(redis_url):
+    """Two workers of one slot each: while the preferred worker runs a long request, the next one
+    sent to it is taken by the idle worker after `--steal-after-ms`, and answered first."""
+    paced = ("--scripted-tokens-per-second", "20", "--max-concurrency", "1")
+    workers = [start_worker(redis_url, "affinity-busy", *paced) for _ in range(2)]
+    gateway = start_gateway(redis_url)
     try:
-        for conversation in conversations:  # queued in the stopped worker's stream: its heartbeat still lives
-            _chat(gateway, _messages(conversation, 1))
+        wait_until_served(gateway, "affinity-busy")
+        infos = _infos(redis_url, "affinity-busy")
+        busy, idle = (next(i for i in infos if f"-{w.pid}-" in i.worker_id) for w in workers)
+        long_one, short_one = _preferring(busy, [busy, idle], 2, "affinity-busy")
+
+        def ask(conversation: int, max_tokens: int) -> httpx.Response:
+            return httpx.post(f"{gateway.url}/v1/chat/completions", timeout=60, json={
+                "model": "affinity-busy", "messages": _messages(conversation, 1), "max_tokens": max_tokens})
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            long_answer = pool.submit(ask, long_one, 60)  # 3 s on the busy worker's only slot
+            wait_for(lambda: metric_value(workers[0].url, "llmfleet_worker_claims_total", model="affinity-busy",
+                                          source="own") == 1, 10, "the long request to start on its worker")
+            short_answer = ask(short_one, 2)
+            assert short_answer.status_code == 200, short_answer.text
+            assert not long_answer.done()  # answered by the other worker, not after the long one
+            assert long_answer.result().status_code == 200
+        assert metric_value(workers[1].url, "llmfleet_worker_claims_total", model="affinity-busy", source="stolen") == 1
     finally:
-        os.kill(stopped.pid, signal.SIGCONT)
-    assert metric_value(running.url, "llmfleet_worker_claims_total", model=MODEL, source="stolen") > stolen_before
+        gateway.stop()
+        for worker in workers:
+            worker.stop()
 
 
 def test_a_dead_workers_requests_are_reclaimed(redis_url):
@@ -149,8 +166,6 @@ def test_a_dead_workers_requests_are_reclaimed(redis_url):
         victim, survivor = workers
         conversations = _preferring(infos[victim.pid], list(infos.values()), 2)
         with httpx.Client(timeout=60) as http:
-            import concurrent.futures
-
             def ask(conversation: int) -> httpx.Response:
                 return http.post(f"{gateway.url}/v1/chat/completions", json={
                     "model": "affinity-dead", "messages": _messages(conversation, 1), "max_tokens": 40})

@@ -3,8 +3,8 @@
 A worker pulls: it asks the consumer group for at most as many requests as it has free slots,
 so work lands where there is room and no router has to guess load. It claims the oldest waiting
 requests of its own stream (sent to it for its cache, `shared/affinity.py`) and its model's, and
-when both are empty for `steal_after_s`, what has waited that long in other workers' own streams. Each claimed request runs
-as its own task; its chunks go to the `ReplyPublisher`. Cancels reach it by pub/sub and their
+with a free slot, every `steal_after_s`, what has waited that long in other workers' own streams.
+Each claimed request runs as its own task; its chunks go to the `ReplyPublisher`. Cancels reach it by pub/sub and their
 stashes (`worker/cancels.py`) and the adapter as `abort(request_id)`. A heartbeat key tells the
 gateways what this worker serves and how busy it is; the same beat renews the leases of the
 requests it runs (`worker/leases.py`) and looks for cancel notices that were lost. A request whose
@@ -48,6 +48,7 @@ DRAIN_REDIS_GRACE_S = 10.0  # a draining worker drops its replies once Redis has
 CLAIM_STOP_S = 2.0  # a claim blocks 1 s: past this, Redis hangs, and the claim is cancelled
 STOP_CANCEL_S = 2.0  # a cancelled loop that has not ended after this is left behind
 DEREGISTER_S = 2.0  # the last write of a stop: removing the heartbeat, which expires anyway
+CLAIM_BLOCK_MS = 1000  # a claim's blocking read; new requests end it at once
 FORGET_AFTER_S = 30.0  # a worker whose heartbeat expired this long ago has its empty stream deleted
 
 
@@ -59,7 +60,7 @@ def new_worker_id() -> str:
 class RequestConsumer:
     def __init__(self, redis: aioredis.Redis, adapter: GenerationAdapter, max_concurrency: int,
                  worker_id: str | None = None, claim_idle_s: float = 3.0, kinds: tuple[str, ...] = (),
-                 steal_after_s: float = 0.02):
+                 steal_after_s: float = 0.01):
         self.redis = redis
         # The per-request commands (lease, dead letters) of every request go out in shared pipelines:
         # a claim of hundreds of requests is one round trip, not hundreds of connections.
@@ -114,7 +115,8 @@ class RequestConsumer:
         await self._ensure_group()
         loops = [asyncio.create_task(job, name=job.__qualname__) for job in (
             self.batched.run(), self.publisher.run(), self._heartbeat(), self.cancels.listen(self._stop_loops),
-            self.reclaim_requests(), self._watch_engine(), self.leases.watch(self._stop_loops, self._lease_lost))]
+            self.reclaim_requests(), self.steal_waiting(), self._watch_engine(),
+            self.leases.watch(self._stop_loops, self._lease_lost))]
         claiming = asyncio.create_task(self.claim_requests(), name="RequestConsumer.claim_requests")
         stop_requested = asyncio.create_task(self._stop_claiming.wait())
         try:
@@ -170,21 +172,16 @@ class RequestConsumer:
 
     async def claim_requests(self) -> None:
         """Claim as many requests as there are free slots: the oldest waiting in this worker's own
-        stream and its model's (blocking on both while they are empty), then, after `steal_after_s`
-        with neither, what has waited that long in other workers' own streams."""
-        block_ms = max(1, round(self.steal_after_s * 1000))
+        stream and its model's, blocking on both while they are empty."""
         while not self.draining:
             free = self.max_concurrency - self.in_flight
             if free <= 0:
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
                 continue
-            source = None  # by stream: own or shared
             try:
                 entries = (await self._oldest_waiting(free)
-                           or await self._read({self.own_stream: ">", self.stream: ">"}, free, block_ms))
-                if not entries:
-                    entries, source = await self._steal_waiting(free), "stolen"
+                           or await self._read({self.own_stream: ">", self.stream: ">"}, free, CLAIM_BLOCK_MS))
             except RedisError as exc:
                 log.warning("claiming requests failed: %s", exc)
                 await asyncio.sleep(0.5)
@@ -192,7 +189,23 @@ class RequestConsumer:
                     with contextlib.suppress(RedisError):
                         await self._ensure_group()
                 continue
-            await self._start_entries(entries, source, free)
+            await self._start_entries(entries, limited=True)
+
+    async def steal_waiting(self) -> None:
+        """Every `steal_after_s` while a slot is free, take what has waited that long in other
+        workers' own streams (their worker is busy or stopped). A loop of its own: the timeout of a
+        blocking read is only as fine as Redis's clock, 100 ms at its default `hz`."""
+        while not await pause(self._stop_claiming, self.steal_after_s):
+            free = self.max_concurrency - self.in_flight
+            if free <= 0:
+                continue
+            try:
+                entries = await self._steal_waiting(free)
+            except RedisError as exc:
+                log.warning("taking waiting requests failed: %s", exc)
+                continue
+            if entries:
+                await self._start_entries(entries, "stolen", limited=True)
 
     async def _read(self, streams: dict[str, str], count: int, block_ms: int | None) -> list[tuple]:
         """XREADGROUP as (stream, entry id, fields) triples, this worker's own stream's first."""
@@ -214,7 +227,7 @@ class RequestConsumer:
     async def reclaim_requests(self) -> None:
         """Take over requests whose worker died: pending entries idle past `claim_idle_s`, in the
         model's stream and in the own streams of workers whose heartbeat expired (which are deleted
-        once empty; their waiting entries are taken by `_steal_waiting`).
+        once empty; their waiting entries are taken by `steal_waiting`).
 
         Entries of live workers come back too (XAUTOCLAIM cannot tell), but their worker still
         holds the request's lease, so they are left alone.
@@ -243,11 +256,12 @@ class RequestConsumer:
                     continue
                 await self._start_entries([(stream, entry_id, fields) for entry_id, fields in entries], "reclaimed")
 
-    async def _start_entries(self, entries: list[tuple], source: str | None, free: int | None = None) -> None:
+    async def _start_entries(self, entries: list[tuple], source: str | None = None, limited: bool = False) -> None:
         """Start each claimed entry's request: the envelope it carries, or for a fair-share ticket
         the envelope bound to it (`shared.fair_queue`). A ticket that could not be bound stays
-        pending on this worker, and is reclaimed from it like a dead worker's. Past `free`, what was
-        claimed at once from the model's stream beside this worker's own waits in its own stream."""
+        pending on this worker, and is reclaimed from it like a dead worker's. `limited`: what is
+        past the slots free now (the other claiming loop may have taken some meanwhile) waits in
+        this worker's own stream. `source`: the claims' label, by default own or shared by stream."""
         claims = []
         tickets = []
         for stream, entry_id, fields in entries:
@@ -269,9 +283,11 @@ class RequestConsumer:
                 envelopes = dict(zip(tickets, bound, strict=True))  # '' for a ticket whose request is gone
                 claims = [(stream, entry_id, envelopes[entry_id] if data is None else data)
                           for stream, entry_id, data in claims]
-        if free is not None and len(claims) > free:
+        free = max(0, self.max_concurrency - self.in_flight)
+        if limited and len(claims) > free:
             claims, surplus = claims[:free], claims[free:]
-            self._spawn(self._keep_waiting(surplus))
+            for stream in {claim[0] for claim in surplus}:
+                self._spawn(self._keep_waiting(stream, [claim for claim in surplus if claim[0] == stream]))
         for stream, entry_id, data in claims:
             metrics.CLAIMS.labels(self.model, source or ("own" if stream == self.own_stream else "shared")).inc()
             if entry_id in tickets and not data:  # its request is gone (its queue expired): nothing to answer
@@ -279,16 +295,16 @@ class RequestConsumer:
             else:
                 self._start(stream, entry_id, data, reclaimed=source == "reclaimed")
 
-    async def _keep_waiting(self, surplus: list[tuple]) -> None:
-        """Move requests claimed beyond the free slots from the model's stream to this worker's own,
-        where they wait for its next free slot, or for another worker's (`_steal_waiting`)."""
+    async def _keep_waiting(self, stream: str, surplus: list[tuple]) -> None:
+        """Move requests of `stream` claimed beyond the free slots to this worker's own stream, where
+        they wait for its next free slot, or for another worker's (`steal_waiting`)."""
         args = [keys.WORKER_GROUP, int(time.time() * 1000), keys.AFFINITY_STREAM_TTL_S, keys.REQUEST_STREAM_MAXLEN,
                 keys.ENVELOPE_FIELD]
         for _stream, entry_id, data in surplus:
             args += [entry_id, data]
+        bindings = [keys.bound_requests(self.model)] if stream == self.stream else []  # a ticket's, of that stream
         try:
-            await self._move(keys=[self.stream, self.own_stream, keys.affinity_waiting(self.model),
-                                   keys.bound_requests(self.model)], args=args)
+            await self._move(keys=[stream, self.own_stream, keys.affinity_waiting(self.model), *bindings], args=args)
         except RedisError as exc:  # they stay pending here, and are reclaimed like a dead worker's
             log.warning("could not requeue %d requests: %s", len(surplus), exc)
 

@@ -27,7 +27,7 @@ REDIS_CLOSE_S = 2.0
 
 
 async def serve(adapter: GenerationAdapter, redis_url: str, max_concurrency: int, metrics_port: int = 0,
-                claim_idle_s: float = 3.0, kinds: tuple[str, ...] = (), steal_after_s: float = 0.02) -> None:
+                claim_idle_s: float = 3.0, kinds: tuple[str, ...] = (), steal_after_s: float = 0.01) -> None:
     await adapter.start()
     if tracing.setup("llmfleet-worker"):
         log.info("tracing on (OpenTelemetry)")
