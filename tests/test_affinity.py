@@ -45,7 +45,9 @@ def redis_url():
 def fleet(redis_url):
     started = []
     try:
-        workers = [start_worker(redis_url, MODEL, *CACHED) for _ in range(2)]
+        # Stealing held off for a second: a turn the preferred worker is slow to claim (a stall of
+        # this busy machine) must not go to the other worker and miss the cache.
+        workers = [start_worker(redis_url, MODEL, *CACHED, "--steal-after-ms", "1000") for _ in range(2)]
         started += workers
         gateway = start_gateway(redis_url)
         started.append(gateway)
@@ -139,7 +141,7 @@ def test_a_busy_preferred_worker_does_not_hold_its_requests(redis_url):
                 "model": "affinity-busy", "messages": _messages(conversation, 1), "max_tokens": max_tokens})
 
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            long_answer = pool.submit(ask, long_one, 60)  # 3 s on the busy worker's only slot
+            long_answer = pool.submit(ask, long_one, 200)  # 10 s on the busy worker's only slot
             wait_for(lambda: metric_value(workers[0].url, "llmfleet_worker_claims_total", model="affinity-busy",
                                           source="own") == 1, 10, "the long request to start on its worker")
             short_answer = ask(short_one, 2)
