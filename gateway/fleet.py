@@ -161,10 +161,10 @@ class Fleet:
                                   on_overflow=self._cancel_slow_client)
         self.registry = WorkerRegistry(self.redis, settings.models)
         # Per-request commands share pipelines; the router's blocking read keeps its own connection.
-        # Cancel registrations do not wait for a batch: a run's cancel_id must be gone as soon as
-        # its answer is, or a cancel sent right after the answer would still find the run.
+        # A finished run is unregistered before its client reads the end of the answer
+        # (`Run.release` awaits it), so a cancel sent right after the answer finds nothing.
         self.batched = BatchedRedis(self.redis)
-        self.cancels = CancelRegistry(self.redis, settings.gateway_id)
+        self.cancels = CancelRegistry(self.batched, settings.gateway_id)
         self.limits = RateLimits(self.batched, settings.rate_window_s)
         self._enqueue_script = self.batched.register_script(fair_queue.ENQUEUE)
         self._route_script = self.batched.register_script(affinity.ROUTE)
@@ -248,10 +248,17 @@ class Fleet:
         in the middle leaves it unfinished: it may have been queued, and its ending cancels it."""
         envelope = run.envelope
         try:
-            if await self.cancels.register(envelope.request_id, envelope.cancel_id, self._ttl(envelope)):
-                run._replies.put_nowait(ChunkEnvelope(envelope.request_id, 0, [_cancelled_before_start(envelope)]))
-                return
-            await self._enqueue(envelope)
+            if envelope.cancel_id is not None:  # a cancel by its cancel_id may have come first
+                if await self.cancels.register(envelope.request_id, envelope.cancel_id, self._ttl(envelope)):
+                    run._replies.put_nowait(ChunkEnvelope(envelope.request_id, 0, [_cancelled_before_start(envelope)]))
+                    return
+                await self._enqueue(envelope)
+            else:  # nothing can have cancelled it: register and queue in the same batch, one round trip
+                registering = asyncio.ensure_future(self.cancels.register(envelope.request_id, None, self._ttl(envelope)))
+                try:
+                    await self._enqueue(envelope)
+                finally:
+                    await registering
         except (RedisError, OSError) as exc:
             run.finished = run.unreachable = True  # nothing to unregister: its keys expire on their own
             raise ServiceUnavailable("The request queue is unreachable; try again shortly.") from exc
@@ -307,9 +314,11 @@ class Fleet:
 
     def _preferred_workers(self, envelope: RequestEnvelope, view: ModelView | None) -> list[WorkerInfo]:
         """The workers a request with an affinity key prefers, best first (none: no key, or affinity off)."""
-        if not self.settings.affinity or view is None or (key := affinity.key_of(envelope)) is None:
+        if not self.settings.affinity or view is None:
             return []
         workers = [w for w in view.workers if not w.draining and envelope.kind in w.kinds]
+        if len(workers) < 2 or (key := affinity.key_of(envelope)) is None:  # one worker has every cache
+            return []
         return affinity.ranked(key, workers)[: affinity.CANDIDATES]
 
     @staticmethod
