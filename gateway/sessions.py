@@ -38,6 +38,7 @@ from redis.asyncio import Redis
 from starlette.responses import Response, StreamingResponse
 
 from gateway import tenancy
+from gateway.bounded_index import BoundedIndex
 from gateway.errors import json_response
 from gateway.fleet import Fleet, GatewaySettings
 from gateway.serving import Formatter, serve_body, serve_generation
@@ -107,20 +108,6 @@ redis.call('EXPIRE', KEYS[1], ARGV[3])
 redis.call('EXPIRE', KEYS[2], ARGV[3])
 return redis.call('LLEN', KEYS[2])
 """
-
-# KEYS: an index. ARGV: id, now, most entries, TTL, the score below which entries have expired.
-# Returns the ids evicted past the bound.
-_INDEX = """
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[5])
-redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
-redis.call('EXPIRE', KEYS[1], ARGV[4])
-local over = redis.call('ZCARD', KEYS[1]) - tonumber(ARGV[3])
-if over <= 0 then return {} end
-local evicted = redis.call('ZRANGE', KEYS[1], 0, over - 1)
-redis.call('ZREMRANGEBYRANK', KEYS[1], 0, over - 1)
-return evicted
-"""
-
 
 def _json(value: Any) -> bytes:
     return orjson.dumps(value)
@@ -233,7 +220,9 @@ class SessionStore:
         self._begin = redis.register_script(_BEGIN)
         self._end = redis.register_script(_END)
         self._rollback = redis.register_script(_ROLLBACK)
-        self._index = redis.register_script(_INDEX)
+        self._sessions = BoundedIndex(redis, keys.SESSION_INDEX, self.max_sessions, self.ttl_s, keys.session_keys)
+        self._snapshots = BoundedIndex(redis, keys.SNAPSHOT_INDEX, self.max_snapshots, self.snapshot_ttl_s,
+                                       lambda snapshot_id: [keys.snapshot_key(snapshot_id)])
         self._pending: set[asyncio.Task] = set()
 
     def own(self, work) -> None:
@@ -253,7 +242,7 @@ class SessionStore:
         result = _text(await self._write(keys=keys.session_keys(session_id),
                                          args=[self.ttl_s, "1" if force else "0", len(flat), *flat, *encoded]))
         if result == "ok":
-            await self._touch(session_id, now)
+            await self._sessions.add(session_id, now)
         return result
 
     async def info(self, session_id: str) -> dict[str, Any] | None:
@@ -295,20 +284,11 @@ class SessionStore:
         left = await self._rollback(keys=keys.session_keys(session_id),
                                     args=[keep, tenancy.current().name, self.ttl_s, int(now)])
         if left >= 0:
-            await self._touch(session_id, now)
+            await self._sessions.add(session_id, now)
         return left
 
     async def _messages(self, session_id: str) -> list[dict[str, Any]]:
         return [orjson.loads(m) for m in await self.redis.lrange(keys.session_keys(session_id)[1], 0, -1)]
-
-    async def _touch(self, session_id: str, now: float) -> None:
-        evicted = await self._index(keys=[keys.SESSION_INDEX],
-                                    args=[session_id, now, self.max_sessions, self.ttl_s, now - self.ttl_s])
-        if evicted:  # each session has its own slot: one DEL per session, in one round trip
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for old in evicted:
-                    pipe.delete(*keys.session_keys(_text(old)))
-                await pipe.execute()
 
     # -- turns --
     async def begin_turn(self, session_id: str, envelope: RequestEnvelope, messages: list[dict[str, Any]],
@@ -354,7 +334,7 @@ class SessionStore:
         stored = await self._end(keys=keys.session_keys(turn.session_id),
                                  args=[turn.owner, self.ttl_s, int(now), action, added, first, *appended])
         if stored:
-            await self._touch(turn.session_id, now)
+            await self._sessions.add(turn.session_id, now)
 
     # -- snapshots --
     async def save(self, session_id: str, labels: dict[str, Any]) -> dict[str, Any] | None:
@@ -368,13 +348,7 @@ class SessionStore:
                     "created_at": int(now), "session_id": session_id, "max_seq_len": info["max_seq_len"],
                     "message_count": len(messages), "title": None, "description": None, "tags": [], **labels}
         await self._put_snapshot(manifest, messages)
-        evicted = await self._index(keys=[keys.SNAPSHOT_INDEX], args=[
-            manifest["snapshot_id"], now, self.max_snapshots, self.snapshot_ttl_s, now - self.snapshot_ttl_s])
-        if evicted:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for old in evicted:
-                    pipe.delete(keys.snapshot_key(_text(old)))
-                await pipe.execute()
+        await self._snapshots.add(manifest["snapshot_id"], now)
         return manifest
 
     async def _put_snapshot(self, manifest: dict[str, Any], messages: list[dict[str, Any]] | None = None) -> None:

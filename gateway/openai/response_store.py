@@ -27,6 +27,7 @@ from typing import Any
 import orjson
 from redis.asyncio import Redis
 
+from gateway.bounded_index import BoundedIndex
 from shared import keys
 
 log = logging.getLogger(__name__)
@@ -50,18 +51,6 @@ redis.call('EXPIRE', KEYS[1], ARGV[4])
 return status
 """
 
-# KEYS: the index. ARGV: response id, now, most entries, TTL. Returns the ids evicted.
-_INDEX = """
-redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
-redis.call('EXPIRE', KEYS[1], ARGV[4])
-local over = redis.call('ZCARD', KEYS[1]) - tonumber(ARGV[3])
-if over <= 0 then return {} end
-local evicted = redis.call('ZRANGE', KEYS[1], 0, over - 1)
-redis.call('ZREMRANGEBYRANK', KEYS[1], 0, over - 1)
-return evicted
-"""
-
-
 @dataclass(slots=True)
 class StoredResponse:
     response: dict[str, Any]
@@ -76,7 +65,8 @@ class ResponseStore:
         self.max_entries = max_entries
         self._cancel = redis.register_script(_CANCEL)
         self._finish = redis.register_script(_FINISH)
-        self._index = redis.register_script(_INDEX)
+        self._index = BoundedIndex(redis, keys.RESPONSE_INDEX, max_entries, self.ttl_s,
+                                   lambda response_id: [keys.response_key(response_id)])
 
     async def get(self, response_id: str) -> StoredResponse | None:
         fields = await self.redis.hmget(keys.response_key(response_id), ["response", "history", "status"])
@@ -95,7 +85,7 @@ class ResponseStore:
             return None
         key = keys.response_key(response["id"])
         status = await self._finish(keys=[key], args=[response_json, history_json, response["status"], self.ttl_s])
-        await self._remember(response["id"])
+        await self._index.add(response["id"], time.time())
         return status.decode() if isinstance(status, bytes) else status
 
     async def cancel(self, response_id: str) -> str | None:
@@ -109,13 +99,3 @@ class ResponseStore:
             pipe.zrem(keys.RESPONSE_INDEX, response_id)
             deleted, _ = await pipe.execute()
         return bool(deleted)
-
-    async def _remember(self, response_id: str) -> None:
-        evicted = await self._index(keys=[keys.RESPONSE_INDEX],
-                                    args=[response_id, time.time(), self.max_entries, self.ttl_s])
-        if evicted:
-            # Each response has its own slot: one DEL per key, in one round trip.
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for old in evicted:
-                    pipe.delete(keys.response_key(old.decode()))
-                await pipe.execute()
