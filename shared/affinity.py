@@ -17,8 +17,9 @@ request, never that it jumps the queue. The gateway chooses where a request goes
   (bounded loads: a hot key spills to its second worker, then to the shared stream). It is one
   script, so the check and the add are atomic. A request with no key, or no room, goes to the
   shared stream as before (`shared.fair_queue`).
-- A worker with a free slot takes (`STEAL`), every `--steal-after-ms`, the entries that have
-  waited longer than that in other workers' streams, oldest first. The streams that may hold waiting entries are a sorted set
+- A worker with a free slot takes (`STEAL`) the entries that have waited `--steal-after-ms` in
+  other workers' streams, oldest first: it looks that often, and, once it has seen one waiting,
+  takes it when it is due. The streams that may hold waiting entries are a sorted set
   (`keys.affinity_waiting`), scored no later than their oldest waiting entry: a busy or stopped
   preferred worker delays a request by that much, and never leaves it waiting while another
   worker has room.
@@ -86,7 +87,8 @@ return {0, depth}
 # KEYS: waiting set. ARGV: group, consumer, most entries, now (ms), least wait (ms), own stream.
 # Claims for the consumer the entries that waited at least that long in other workers' streams,
 # oldest stream first; rescores each stream looked at by its oldest waiting entry, or removes it.
-# Returns {stream, entry id, fields} triples.
+# Returns {{stream, entry id, fields} triples, when the oldest entry still waiting in another
+# worker's stream arrived (ms), or -1}.
 STEAL = _WAITING + """
 local out = {}
 local need = tonumber(ARGV[3])
@@ -118,7 +120,11 @@ for _, stream in ipairs(streams) do
     end
   end
 end
-return out
+local first = redis.call('ZRANGE', KEYS[1], 0, 1, 'WITHSCORES')
+for i = 1, #first, 2 do
+  if first[i] ~= ARGV[6] then return {out, first[i + 1]} end
+end
+return {out, -1}
 """
 
 # KEYS: own stream, model's stream. ARGV: group, consumer, most entries. Claims for the consumer the

@@ -192,20 +192,26 @@ class RequestConsumer:
             await self._start_entries(entries, limited=True)
 
     async def steal_waiting(self) -> None:
-        """Every `steal_after_s` while a slot is free, take what has waited that long in other
-        workers' own streams (their worker is busy or stopped). A loop of its own: the timeout of a
-        blocking read is only as fine as Redis's clock, 100 ms at its default `hz`."""
-        while not await pause(self._stop_claiming, self.steal_after_s):
+        """While a slot is free, take what has waited `steal_after_s` in other workers' own streams
+        (their worker is busy or stopped). Looked for every `steal_after_s`, and, once seen, taken
+        when it is due, so a request seen waiting is taken `steal_after_s` after it arrived, not up
+        to a period later. A loop of its own: the timeout of a blocking read is only as fine as
+        Redis's clock, 100 ms at its default `hz`."""
+        delay = self.steal_after_s
+        while not await pause(self._stop_claiming, delay):
+            delay = self.steal_after_s
             free = self.max_concurrency - self.in_flight
             if free <= 0:
                 continue
             try:
-                entries = await self._steal_waiting(free)
+                entries, oldest = await self._steal_waiting(free)
             except RedisError as exc:
                 log.warning("taking waiting requests failed: %s", exc)
                 continue
             if entries:
                 await self._start_entries(entries, "stolen", limited=True)
+            if oldest is not None:  # until the next one is due
+                delay = min(self.steal_after_s, max(0.001, oldest + self.steal_after_s - time.time()))
 
     async def _read(self, streams: dict[str, str], count: int, block_ms: int | None) -> list[tuple]:
         """XREADGROUP as (stream, entry id, fields) triples, this worker's own stream's first."""
@@ -219,10 +225,13 @@ class RequestConsumer:
         return _entries(await self._claim(keys=[self.own_stream, self.stream],
                                           args=[keys.WORKER_GROUP, self.worker_id, count]))
 
-    async def _steal_waiting(self, count: int) -> list[tuple]:
-        return _entries(await self._steal(keys=[keys.affinity_waiting(self.model)], args=[
+    async def _steal_waiting(self, count: int) -> tuple[list[tuple], float | None]:
+        """The entries taken, and when the oldest one still waiting elsewhere arrived (None: none)."""
+        triples, oldest_ms = await self._steal(keys=[keys.affinity_waiting(self.model)], args=[
             keys.WORKER_GROUP, self.worker_id, count, int(time.time() * 1000), round(self.steal_after_s * 1000),
-            self.own_stream]))
+            self.own_stream])
+        oldest_ms = float(oldest_ms)
+        return _entries(triples), oldest_ms / 1000 if oldest_ms >= 0 else None
 
     async def reclaim_requests(self) -> None:
         """Take over requests whose worker died: pending entries idle past `claim_idle_s`, in the
