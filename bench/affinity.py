@@ -21,7 +21,7 @@ where their requests came from (own stream, shared stream, stolen after waiting 
 worker). Goals (issue #15): with reuse, TTFT p50 at least 2x lower than the shared queue; without
 reuse, throughput >= 0.98x.
 
-    python -m bench.affinity [--engine scripted|vllm] [--quick]
+    python -m bench.affinity [--engine scripted|vllm] [--quick] [--workers N]
 
 Writes bench/results/affinity[_vllm].json and .png, prints a markdown table.
 """
@@ -158,7 +158,7 @@ async def _measure(redis_url: str, workers, shape: dict) -> list[dict]:
     return rows
 
 
-def run(engine: str, quick: bool) -> dict:
+def run(engine: str, quick: bool, count: int = WORKERS) -> dict:
     shape = dict(SCRIPTED if engine == "scripted" else VLLM)
     if quick:
         shape.update(conversations=8, turns=4)
@@ -167,18 +167,18 @@ def run(engine: str, quick: bool) -> dict:
             args = ["--scripted-prefill-per-token", str(shape["prefill_per_token"]), "--scripted-tokens-per-second",
                     str(shape["tokens_per_second"])]
             workers = [start_worker(stack.redis.url, MODEL, *args, "--max-concurrency", str(shape["slots"]))
-                       for _ in range(WORKERS)]
+                       for _ in range(count)]
         else:
             from worker.tiny_model import write_tiny_model
 
             model_dir = write_tiny_model(Path(stack._tmp.name) / "tiny")
-            sys.stderr.write(f"starting {WORKERS} vLLM workers on the tiny model (about a minute)...\n")
+            sys.stderr.write(f"starting {count} vLLM workers on the tiny model (about a minute)...\n")
             workers = [start_worker(stack.redis.url, str(model_dir), *VLLM_ARGS, "--enable-prompt-tokens-details",
                                     "--max-concurrency", str(shape["slots"]), engine="vllm", served_name=MODEL,
-                                    env=ENGINE_ENV, timeout=300) for _ in range(WORKERS)]
+                                    env=ENGINE_ENV, timeout=300) for _ in range(count)]
         stack.procs += workers
         rows = asyncio.run(_measure(stack.redis.url, workers, shape))
-    return {"measured_at": time.strftime("%Y-%m-%d %H:%M"), "engine": engine, "workers": WORKERS, "shape": shape,
+    return {"measured_at": time.strftime("%Y-%m-%d %H:%M"), "engine": engine, "workers": count, "shape": shape,
             "quick": quick, "rows": rows}
 
 
@@ -224,12 +224,12 @@ def plot(result: dict) -> None:
     fig.suptitle(f"cache affinity, {result['engine']} engine, {result['workers']} workers")
     fig.tight_layout()
     RESULTS.mkdir(parents=True, exist_ok=True)
-    fig.savefig(RESULTS / _name(result["engine"], "png"), dpi=110)
+    fig.savefig(RESULTS / _name(result["engine"], "png", result["workers"]), dpi=110)
     plt.close(fig)
 
 
-def _name(engine: str, suffix: str) -> str:
-    return f"affinity{'' if engine == 'scripted' else '_' + engine}.{suffix}"
+def _name(engine: str, suffix: str, workers: int = WORKERS) -> str:
+    return f"affinity{'' if engine == 'scripted' else '_' + engine}{'' if workers == WORKERS else f'_{workers}w'}.{suffix}"
 
 
 def section(results: list[dict]) -> list[str]:
@@ -251,7 +251,7 @@ def section(results: list[dict]) -> list[str]:
                  f"{shape['system_words']} words, {shape['user_words']}-word user turns, {shape['answer_tokens']}-token "
                  f"answers, {result['workers']} workers of {shape['slots']} slots"
                  + (" (**a --quick run**)" if result["quick"] else "") + f"; measured {result['measured_at']}."),
-                "", table(result), "", f"![cache affinity, {result['engine']}]({_name(result['engine'], 'png')})",
+                "", table(result), "", f"![cache affinity, {result['engine']}]({_name(result['engine'], 'png', result['workers'])})",
                 "", analysis(result)]
     return out
 
@@ -262,7 +262,7 @@ def analysis(result: dict) -> str:
     ratios = _ratios(result)
     return (
         f"With reuse, affinity claimed {routed['claims']['own']:.0f} of {routed['requests']} turns from the worker's "
-        f"own stream, {routed['claims']['stolen']:.0f} were taken by the other worker after waiting "
+        f"own stream, {routed['claims']['stolen']:.0f} were taken by another worker after waiting "
         "`--steal-after-ms` (10) for a busy one, and the prefix cache hit rate went from "
         f"{shared['cache_hit']:.0%} to {routed['cache_hit']:.0%}: the shared system prompt is cached on both workers "
         "either way, what affinity adds is each conversation's own history. TTFT p50 "
@@ -278,8 +278,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engine", choices=("scripted", "vllm"), default="scripted")
     parser.add_argument("--quick", action="store_true", help="8 conversations of 4 turns")
+    parser.add_argument("--workers", type=int, default=WORKERS, help="workers of the model (results named _Nw "
+                        "when not the default)")
     args = parser.parse_args(argv)
-    return save(_name(args.engine, "json").removesuffix(".json"), run(args.engine, args.quick), plot, table)
+    return save(_name(args.engine, "json", args.workers).removesuffix(".json"), run(args.engine, args.quick, args.workers),
+                plot, table)
 
 
 if __name__ == "__main__":

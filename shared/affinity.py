@@ -18,11 +18,13 @@ request, never that it jumps the queue. The gateway chooses where a request goes
   script, so the check and the add are atomic. A request with no key, or no room, goes to the
   shared stream as before (`shared.fair_queue`).
 - A worker with a free slot takes (`STEAL`) the entries that have waited `--steal-after-ms` in
-  other workers' streams, oldest first: it looks that often, and, once it has seen one waiting,
-  takes it when it is due. The streams that may hold waiting entries are a sorted set
-  (`keys.affinity_waiting`), scored no later than their oldest waiting entry: a busy or stopped
-  preferred worker delays a request by that much, and never leaves it waiting while another
-  worker has room.
+  other workers' streams, oldest first. Once it has seen one waiting it takes it when it is due;
+  while none waits it does not poll: it waits on the model's doorbell (`keys.affinity_doorbell`,
+  BLPOP), which `ROUTE` rings with each request it adds to a worker's stream. Each ring wakes one
+  idle worker, which looks when that request is due (and once a second when nothing rings). The
+  streams that may hold waiting entries are a sorted set (`keys.affinity_waiting`), scored no
+  later than their oldest waiting entry: a busy or stopped preferred worker delays a request by
+  that much, and never leaves it waiting while another worker has room.
 - A dead worker's running requests are reclaimed from its stream like the shared stream's (its
   heartbeat's expiry is in `keys.affinity_streams`); its empty stream is then deleted (`FORGET`).
 
@@ -64,21 +66,24 @@ local function group_state(stream, group)
 end
 """
 
-# KEYS: shared request stream, waiting set, candidate streams (best first). ARGV: depth limit,
-# maxlen, envelope field, envelope, group, now (ms), ttl, then each candidate's most waiting.
+# KEYS: shared request stream, waiting set, doorbell, candidate streams (best first). ARGV: depth
+# limit, maxlen, envelope field, envelope, group, now (ms), ttl, then each candidate's most waiting.
 # Returns {candidate (1-based; 0: none had room, -1: the model's queue is full), depth}.
 ROUTE = _WAITING + """
 local depth = redis.call('XLEN', KEYS[1])
 if depth >= tonumber(ARGV[1]) then return {-1, depth} end
-for i = 3, #KEYS do
+for i = 4, #KEYS do
   local length = redis.call('XLEN', KEYS[i])
   local state = group_state(KEYS[i], ARGV[5])
-  if state and length - state['pending'] < tonumber(ARGV[5 + i]) then
+  if state and length - state['pending'] < tonumber(ARGV[4 + i]) then
     redis.call('XADD', KEYS[i], 'MAXLEN', '~', ARGV[2], '*', ARGV[3], ARGV[4])
     redis.call('EXPIRE', KEYS[i], ARGV[7])
     redis.call('ZADD', KEYS[2], 'NX', ARGV[6], KEYS[i])
     redis.call('EXPIRE', KEYS[2], ARGV[7])
-    return {i - 2, depth}
+    redis.call('RPUSH', KEYS[3], ARGV[6])
+    redis.call('LTRIM', KEYS[3], -1, -1)
+    redis.call('EXPIRE', KEYS[3], ARGV[7])
+    return {i - 3, depth}
   end
 end
 return {0, depth}
@@ -214,7 +219,7 @@ def ranked(key: bytes, workers: Iterable[WorkerInfo]) -> list[WorkerInfo]:
 
 
 def route_keys(model: str, streams: list[str]) -> list[str]:
-    return [keys.request_stream(model), keys.affinity_waiting(model), *streams]
+    return [keys.request_stream(model), keys.affinity_waiting(model), keys.affinity_doorbell(model), *streams]
 
 
 def route_args(depth_limit: int, envelope: bytes, now_ms: int, allowances: list[int]) -> list[Any]:

@@ -22,6 +22,10 @@ part of the name. `<...>` is a placeholder.
 |                                      |         | worker stream -> its heartbeat's expiry  |
 |                                      |         | (one member per worker, dead ones        |
 |                                      |         | removed once their stream is empty)      |
+| llmfleet:affinity:{<model>}:doorbell | list    | one element (LTRIM), TTL                 |
+|                                      |         | AFFINITY_STREAM_TTL_S: rung when a       |
+|                                      |         | request is added to a worker's stream;   |
+|                                      |         | idle workers wait on it (BLPOP)          |
 | llmfleet:dead-letter:{<model>}       | stream  | MAXLEN ~DEAD_LETTER_MAXLEN: envelopes no |
 |                                      |         | worker could decode, with the reason     |
 | llmfleet:model:{<model>}             | string  | TTL MODEL_MEMORY_TTL_S ("was served      |
@@ -189,6 +193,10 @@ def affinity_waiting(model: str) -> str:
 
 def affinity_streams(model: str) -> str:
     return f"{PREFIX}:affinity:{_tag(model)}:streams"
+
+
+def affinity_doorbell(model: str) -> str:
+    return f"{PREFIX}:affinity:{_tag(model)}:doorbell"
 
 
 def worker_key(worker_id: str) -> str:

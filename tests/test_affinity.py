@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import time
 
 import httpx
 import pytest
+from redis.cluster import RedisCluster
 
 from shared import affinity, keys, redis_pool
 from shared.codec import decode
@@ -203,3 +205,31 @@ def test_a_dead_workers_requests_are_reclaimed(redis_url):
         for worker in workers:
             worker.stop()
     assert not leftover_keys(redis_pool.connect_sync(redis_url))
+
+
+def _script_calls(client) -> int:
+    """The EVALSHA calls Redis has served, on every node of a cluster."""
+    if isinstance(client, RedisCluster):
+        stats = client.info("commandstats", target_nodes=RedisCluster.ALL_NODES).values()
+    else:
+        stats = [client.info("commandstats")]
+    return sum(node.get("cmdstat_evalsha", {}).get("calls", 0) for node in stats)
+
+
+def test_idle_workers_wait_on_the_doorbell_instead_of_polling(redis_url):
+    """Idle workers, stealing after the default 10 ms, ask Redis for waiting requests when a
+    request is routed to a worker's stream or once a second, not every 10 ms (~200 scripts a
+    second for two workers)."""
+    workers = [start_worker(redis_url, "affinity-idle") for _ in range(2)]
+    try:
+        client = redis_pool.connect_sync(redis_url)
+        wait_for(lambda: len(_infos(redis_url, "affinity-idle")) == 2, 30, "both workers to register")
+        before = _script_calls(client)
+        time.sleep(3)
+        calls = _script_calls(client) - before
+        # Each idle worker's claim loop and steal loop run a script about once a second each.
+        assert calls < 60, f"{calls} scripts in 3 s from two idle workers"
+    finally:
+        for worker in workers:
+            worker.stop()
+

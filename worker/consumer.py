@@ -49,6 +49,7 @@ CLAIM_STOP_S = 2.0  # a claim blocks 1 s: past this, Redis hangs, and the claim 
 STOP_CANCEL_S = 2.0  # a cancelled loop that has not ended after this is left behind
 DEREGISTER_S = 2.0  # the last write of a stop: removing the heartbeat, which expires anyway
 CLAIM_BLOCK_MS = 1000  # a claim's blocking read; new requests end it at once
+DOORBELL_WAIT_S = 1  # an idle worker's wait for a request routed to another worker; a ring ends it at once
 FORGET_AFTER_S = 30.0  # a worker whose heartbeat expired this long ago has its empty stream deleted
 
 
@@ -193,25 +194,42 @@ class RequestConsumer:
 
     async def steal_waiting(self) -> None:
         """While a slot is free, take what has waited `steal_after_s` in other workers' own streams
-        (their worker is busy or stopped). Looked for every `steal_after_s`, and, once seen, taken
-        when it is due, so a request seen waiting is taken `steal_after_s` after it arrived, not up
-        to a period later. A loop of its own: the timeout of a blocking read is only as fine as
-        Redis's clock, 100 ms at its default `hz`."""
-        delay = self.steal_after_s
+        (their worker is busy or stopped), when it is due. While nothing waits there, wait for the
+        model's doorbell, rung as a gateway adds a request to a worker's stream (`shared.affinity`),
+        instead of asking Redis every period; a worker that took a ring and has no slot left rings
+        again for another."""
+        delay = 0.0
+        due = None  # when the oldest request seen waiting in another worker's stream may be taken
         while not await pause(self._stop_claiming, delay):
             delay = self.steal_after_s
             free = self.max_concurrency - self.in_flight
-            if free <= 0:
-                continue
             try:
+                if free <= 0:
+                    if due is not None:  # seen, and no slot left to take it: an idle worker may
+                        await self._ring(due - self.steal_after_s)
+                        due = None
+                    continue
                 entries, oldest = await self._steal_waiting(free)
+                if not entries and oldest is None:  # nothing waits: until a request is routed (rung at its arrival)
+                    rung = await self.redis.blpop([keys.affinity_doorbell(self.model)], timeout=DOORBELL_WAIT_S)
+                    oldest = float(rung[1]) / 1000 if rung else None
             except RedisError as exc:
                 log.warning("taking waiting requests failed: %s", exc)
                 continue
             if entries:
                 await self._start_entries(entries, "stolen", limited=True)
-            if oldest is not None:  # until the next one is due
-                delay = min(self.steal_after_s, max(0.001, oldest + self.steal_after_s - time.time()))
+            due = None if oldest is None else oldest + self.steal_after_s
+            if due is not None:
+                delay = min(self.steal_after_s, max(0.001, due - time.time()))
+
+    async def _ring(self, arrival: float) -> None:
+        """Ring the model's doorbell for a request that arrived then, as `affinity.ROUTE` does."""
+        doorbell = keys.affinity_doorbell(self.model)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.rpush(doorbell, round(arrival * 1000))
+            pipe.ltrim(doorbell, -1, -1)
+            pipe.expire(doorbell, keys.AFFINITY_STREAM_TTL_S)
+            await pipe.execute()
 
     async def _read(self, streams: dict[str, str], count: int, block_ms: int | None) -> list[tuple]:
         """XREADGROUP as (stream, entry id, fields) triples, this worker's own stream's first."""
