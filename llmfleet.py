@@ -134,8 +134,8 @@ def gateway(host: str, port: int, redis_url: str, **values) -> None:
         "prompt token not in its simulated prefix cache (0: no cache, no prefill time).")
 @option("enable-prompt-tokens-details", is_flag=True, help="Report the prompt tokens found in the prefix cache "
         "(usage.prompt_tokens_details.cached_tokens), as vllm serve's option of that name.")
-@option("steal-after-ms", default=10.0, type=float, help="With a free slot, take every this many milliseconds the "
-        "requests that have waited this long in another (busy or stopped) worker's own queue.")
+@option("steal-after-ms", default=10.0, type=float, help="With a free slot, take the requests that have waited "
+        "this many milliseconds in another (busy or stopped) worker's own queue.")
 @option("kinds", default="", help="Comma-separated request kinds to accept (chat, completion, tokenize, "
         "detokenize); default: every kind the engine answers. Gateways queue no other kind for the model "
         "while no live worker accepts it.")
