@@ -50,7 +50,16 @@ from bench.common import RESULTS, cpu_seconds, plot_bars, save
 from bench.loadgen import Target, closed_loop, summarize
 from bench.relay_throughput import MODEL, Fleet
 from bench.report import _commit
-from tests.procs import LOG_DIR, start_redis, wait_for
+from shared import keys
+from tests.procs import (
+    LOG_DIR,
+    start_gateway,
+    start_redis,
+    start_redis_cluster,
+    start_worker,
+    wait_for,
+    wait_until_served,
+)
 
 SHORT_TOKENS = 16
 # The figures split three ways (per request, per reply write, per token) when the paced workload runs.
@@ -319,6 +328,84 @@ def redis_port(url: str) -> int:
     return int(url.rsplit(":", 1)[1].split("/")[0])
 
 
+# --- a Redis Cluster: the model checked -----------------------------------------------------------
+
+@contextlib.contextmanager
+def cluster_fleet(primaries: int):
+    """A Redis Cluster of `primaries` nodes, one scripted worker (unpaced) and one gateway on it."""
+    cluster = start_redis_cluster(primaries)
+    procs = []
+    try:
+        procs.append(start_worker(cluster.url, MODEL, "--max-concurrency", "20000"))
+        procs.append(start_gateway(cluster.url))
+        wait_until_served(procs[1], MODEL)
+        yield cluster, procs[1], procs[0]
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+        cluster.stop()
+
+
+def node_slots(client: redis.Redis) -> dict[str, bool]:
+    """Whether this node holds the model's keys, the gateway's reply stream, the worker heartbeats
+    (SCAN sees only a node's own keys)."""
+    patterns = {"model": keys.request_stream(MODEL), "gateway": keys.reply_stream("*"),
+                "workers": keys.WORKER_KEY_PATTERN}
+    return {name: any(True for _ in client.scan_iter(match=pattern, count=1000)) for name, pattern in patterns.items()}
+
+
+def measure_cluster(primaries: int, tokens: int, concurrency: int, seconds: float, idle_seconds: float) -> dict:
+    """The unpaced workload on a cluster: each node's Redis CPU and commands per request, the idle
+    rate of each node taken off, and which slots each node holds."""
+    with cluster_fleet(primaries) as (cluster, gateway, _worker):
+        clients = [redis.Redis(host="127.0.0.1", port=node_port(node)) for node in cluster.nodes]
+        progress(f"cluster of {primaries}: idle window, {idle_seconds:.0f}s")
+        idle = measure_nodes(clients, cluster.nodes, idle_load(idle_seconds))
+        progress(f"cluster of {primaries}: {tokens}-token streams, warm-up 1s, then {seconds:.0f}s "
+                 f"at concurrency {concurrency}")
+        closed_load(gateway.url, tokens, concurrency, 1.0)()
+        loaded = measure_nodes(clients, cluster.nodes, closed_load(gateway.url, tokens, concurrency, seconds))
+        load = loaded[0].load
+        progress(f"  {load['requests_per_s']:.0f} req/s, {load['errors']} errors")
+        nodes = [{"slots": node_slots(client), "idle_per_s": {k: v / i.seconds for k, v in i.counters.items()},
+                  "per_request": w.per_request(i), "busy": w.counters["cpu_us:redis"] / 1e6 / w.seconds}
+                 for client, i, w in zip(clients, idle, loaded, strict=True)]
+        return {"primaries": primaries, "tokens": tokens, "load": load, "nodes": nodes}
+
+
+def node_port(node) -> int:
+    """A cluster node's port, from its command line (tests.procs starts each with `--port N`)."""
+    return int(node.popen.args[node.popen.args.index("--port") + 1])
+
+
+def measure_nodes(clients: list[redis.Redis], nodes, run_load) -> list[Window]:
+    """`measure` on every node at once: all counters reset, one load, each node's read."""
+    for client in clients:
+        client.config_resetstat()
+    before = [cpu_now(client, {"redis": node.pid}) for client, node in zip(clients, nodes, strict=True)]
+    started = time.monotonic()
+    requests, tokens, load = run_load()
+    elapsed = time.monotonic() - started
+    windows = []
+    for client, node, cpu_before in zip(clients, nodes, before, strict=True):
+        flat = counters(client, {"redis": node.pid})
+        for name, value in cpu_before.items():
+            flat[name] -= value
+        windows.append(Window(elapsed, requests, tokens, flat, load))
+    return windows
+
+
+def predicted_nodes(single: dict, measured: dict) -> list[float]:
+    """Each node's Redis CPU µs per request by the cluster model: the single server's cost, split by
+    the slot shares of the top-level commands (MONITOR), a class on the node that holds its slot,
+    the requests' own slots spread evenly."""
+    shares, cpu = single["cluster"]["slot_share"], single["per_request"]["cpu_us:redis"]
+    n = measured["primaries"]
+    return [cpu * (shares.get("request", 0.0) / n + shares.get("none", 0.0) / n + shares.get("broadcast", 0.0)
+                   + sum(shares.get(name, 0.0) for name, here in node["slots"].items() if here))
+            for node in measured["nodes"]]
+
+
 # --- redis-benchmark ----------------------------------------------------------------------------
 
 VALUE_64 = "v" * 64
@@ -497,6 +584,9 @@ def workloads_of(long_tokens: int, concurrency: int, paced_tokens_per_s: float, 
 def run(args: argparse.Namespace) -> dict:
     workloads = workloads_of(args.long_tokens, args.concurrency, args.paced_tokens_per_s, args.paced_concurrency)
     fleet = measure_fleet(workloads, args.seconds, args.idle_seconds, args.monitor_seconds)
+    on_cluster = None
+    if args.cluster:
+        on_cluster = measure_cluster(args.cluster, SHORT_TOKENS, args.concurrency, args.seconds, args.idle_seconds)
     progress("redis-benchmark against a fresh redis-server")
     clients = [int(c) for c in args.clients.split(",")]
     benchmark = measure_benchmark(args.bench_requests, clients, [1, 16])
@@ -530,6 +620,7 @@ def run(args: argparse.Namespace) -> dict:
         "fit": {name: {"per_request": a, "per_token": b} for name, (a, b) in fitted.items()},
         "fit_monitor": {name: {"per_request": a, "per_token": b} for name, (a, b) in fitted_monitor.items()},
         "streams": streams, "benchmark": benchmark,
+        "cluster_check": on_cluster and {**on_cluster, "predicted_cpu_us": predicted_nodes(streams[0], on_cluster)},
     }
 
 
@@ -546,7 +637,8 @@ def table(result: dict) -> str:
     return "\n\n".join([cost_table(result), fit_table(result), roles_table(result), writes_table(result),
                         idle_line(result),
                         benchmark_table(result),
-                        check_table(result), capacity_table(result), cluster_table(result)])
+                        check_table(result), capacity_table(result), cluster_table(result),
+                        cluster_check_table(result)])
 
 
 def cost_table(result: dict) -> str:
@@ -679,6 +771,27 @@ def cluster_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def cluster_check_table(result: dict) -> str:
+    check = result.get("cluster_check")
+    if not check:
+        return "(no Redis Cluster run: --cluster N)"
+    single = result["streams"][0]["per_request"]
+    lines = [(f"The cluster model checked: {check['tokens']}-token streams on {check['primaries']} primaries, "
+             f"{check['load']['requests_per_s']:.0f} req/s ({check['load']['errors']} errors); Redis CPU µs "
+             f"per request by node, against the single server's {single['cpu_us:redis']:.1f} split by slot"), "",
+             "| node | holds | busy | commands/req | Redis CPU µs/req (rusage) | predicted |",
+             "|---|---|---|---|---|---|"]
+    for i, (node, predicted) in enumerate(zip(check["nodes"], check["predicted_cpu_us"], strict=True)):
+        holds = ", ".join(name for name, here in node["slots"].items() if here) or "requests only"
+        lines.append(f"| {i} | {holds} | {node['busy']:.0%} | {node['per_request']['calls']:.2f} | "
+                     f"{node['per_request']['cpu_us:redis']:.1f} ({node['per_request']['cpu_us:redis_rusage']:.1f}) | "
+                     f"{predicted:.1f} |")
+    total, rusage, calls = (sum(node["per_request"][name] for node in check["nodes"])
+                            for name in ("cpu_us:redis", "cpu_us:redis_rusage", "calls"))
+    lines.append(f"| all | | | {calls:.2f} | {total:.1f} ({rusage:.1f}) | {single['cpu_us:redis']:.1f} (one server) |")
+    return "\n".join(lines)
+
+
 def plot(result: dict) -> None:
     streams = result["streams"]
     plot_bars(RESULTS / "redis_capacity.png", [s["label"].replace(" streams", "") for s in streams], {
@@ -705,6 +818,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--clients", default="1,16,64", help="redis-benchmark client counts")
     parser.add_argument("--engine-tokens-per-s", type=float, default=DEFAULT_ENGINE_TOKENS_PER_S,
                         help="one engine worker's output tokens/s, for the workers fed")
+    parser.add_argument("--cluster", type=int, default=0,
+                        help="also run the short workload on a Redis Cluster of this many primaries (0: no)")
     parser.add_argument("--quick", action="store_true", help="smoke run: short windows, few benchmark requests")
     args = parser.parse_args(argv)
     if args.quick:
