@@ -42,7 +42,6 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy
 import redis
 import uvloop
 
@@ -164,12 +163,18 @@ def fit_writes(streams: list[dict], names: list[str]) -> dict[str, tuple]:
     reply writes are the worker's top-level XADDs (MONITOR; the enqueue's XADD runs in a script).
     Unpaced streams reach the worker's publisher all at once and go out in a few writes; paced ones
     in a write every few tokens: that tells a write's cost from a token's."""
-    matrix = numpy.array([[1.0, s["top"].get("xadd", 0.0), s["tokens"]] for s in streams])
-    fitted = {}
-    for name in names:
-        a, w, b = numpy.linalg.solve(matrix, numpy.array([s["per_request"][name] for s in streams]))
-        fitted[name] = (float(a), float(w), float(b))
-    return fitted
+    matrix = [[1.0, s["top"].get("xadd", 0.0), s["tokens"]] for s in streams]
+    return {name: solve3(matrix, [s["per_request"][name] for s in streams]) for name in names}
+
+
+def solve3(matrix: list[list[float]], values: list[float]) -> tuple[float, float, float]:
+    """x with matrix · x = values, for a 3 × 3 matrix (Cramer's rule)."""
+    def det(m):
+        return (m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1]) - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
+                + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
+    whole = det(matrix)
+    columns = [[[values[r] if c == k else matrix[r][c] for c in range(3)] for r in range(3)] for k in range(3)]
+    return tuple(det(m) / whole for m in columns)
 
 
 # --- MONITOR: script calls and key slots --------------------------------------------------------
