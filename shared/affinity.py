@@ -20,7 +20,7 @@ request, never that it jumps the queue. The gateway chooses where a request goes
 - A worker with a free slot takes (`STEAL`) the entries that have waited `--steal-after-ms` in
   other workers' streams, oldest first. Once it has seen one waiting it takes it when it is due;
   while none waits it does not poll: it waits on the model's doorbell (`keys.affinity_doorbell`,
-  BLPOP), which `ROUTE` rings with each request it adds to a worker's stream. Each ring wakes one
+  BLPOP), rung with each request added to a worker's stream (`ROUTE`, `MOVE`). Each ring wakes one
   idle worker, which looks when that request is due (and once a second when nothing rings). The
   streams that may hold waiting entries are a sorted set (`keys.affinity_waiting`), scored no
   later than their oldest waiting entry: a busy or stopped preferred worker delays a request by
@@ -164,20 +164,23 @@ end
 return out
 """
 
-# KEYS: the entries' stream, own stream, waiting set [, bindings: when the entries are the model's
-# stream's]. ARGV: group, now (ms), ttl, maxlen, envelope field, then (entry id, envelope) pairs of
-# entries claimed beyond a worker's free slots: each moves to the worker's own stream (a ticket's
-# binding goes with it).
+# KEYS: the entries' stream, own stream, waiting set, doorbell [, bindings: when the entries are the
+# model's stream's]. ARGV: group, now (ms), ttl, maxlen, envelope field, then (entry id, envelope)
+# pairs of entries claimed beyond a worker's free slots: each moves to the worker's own stream (a
+# ticket's binding goes with it), and the doorbell rings for them as `ROUTE` rings it.
 MOVE = """
 for i = 6, #ARGV, 2 do
   redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', ARGV[5], ARGV[i + 1])
   redis.call('XACK', KEYS[1], ARGV[1], ARGV[i])
   redis.call('XDEL', KEYS[1], ARGV[i])
-  if KEYS[4] then redis.call('HDEL', KEYS[4], ARGV[i]) end
+  if KEYS[5] then redis.call('HDEL', KEYS[5], ARGV[i]) end
 end
 redis.call('EXPIRE', KEYS[2], ARGV[3])
 redis.call('ZADD', KEYS[3], 'NX', ARGV[2], KEYS[2])
 redis.call('EXPIRE', KEYS[3], ARGV[3])
+redis.call('RPUSH', KEYS[4], ARGV[2])
+redis.call('LTRIM', KEYS[4], -1, -1)
+redis.call('EXPIRE', KEYS[4], ARGV[3])
 """
 
 # KEYS: streams set, a dead worker's stream. Deletes the stream once nothing is left in it.

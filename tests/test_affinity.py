@@ -233,3 +233,28 @@ def test_idle_workers_wait_on_the_doorbell_instead_of_polling(redis_url):
         for worker in workers:
             worker.stop()
 
+
+
+def test_requests_claimed_past_the_free_slots_wait_in_the_own_stream_and_ring(redis_url):
+    """`MOVE`, on a real Redis: the entries leave the model's stream for the worker's own, which
+    joins the waiting set, and the doorbell rings (one element, with a TTL) so an idle worker
+    takes them when they are due."""
+    client = redis_pool.connect_sync(redis_url)
+    model = "affinity-move"
+    shared, own = keys.request_stream(model), keys.worker_stream(model, "w1")
+    waiting, doorbell = keys.affinity_waiting(model), keys.affinity_doorbell(model)
+    try:
+        for stream in (shared, own):
+            client.xgroup_create(stream, keys.WORKER_GROUP, id="0", mkstream=True)
+        ids = [client.xadd(shared, {keys.ENVELOPE_FIELD: f"envelope {i}"}) for i in range(2)]
+        client.xreadgroup(keys.WORKER_GROUP, "w1", {shared: ">"}, count=2)
+        client.rpush(doorbell, 1)  # an older ring: the doorbell keeps the last one only
+        client.register_script(affinity.MOVE)(
+            keys=[shared, own, waiting, doorbell],
+            args=[keys.WORKER_GROUP, 1000, 60, 100, keys.ENVELOPE_FIELD, ids[0], b"envelope 0", ids[1], b"envelope 1"])
+        assert [fields[keys.ENVELOPE_FIELD] for _id, fields in client.xrange(own)] == [b"envelope 0", b"envelope 1"]
+        assert client.xlen(shared) == 0 and client.xpending(shared, keys.WORKER_GROUP)["pending"] == 0
+        assert client.zscore(waiting, own) == 1000
+        assert client.lrange(doorbell, 0, -1) == [b"1000"] and 0 < client.ttl(doorbell) <= 60
+    finally:
+        client.delete(shared, own, waiting, doorbell)

@@ -331,7 +331,8 @@ class RequestConsumer:
             args += [entry_id, data]
         bindings = [keys.bound_requests(self.model)] if stream == self.stream else []  # a ticket's, of that stream
         try:
-            await self._move(keys=[stream, self.own_stream, keys.affinity_waiting(self.model), *bindings], args=args)
+            await self._move(keys=[stream, self.own_stream, keys.affinity_waiting(self.model),
+                                   keys.affinity_doorbell(self.model), *bindings], args=args)
         except RedisError as exc:  # they stay pending here, and are reclaimed like a dead worker's
             log.warning("could not requeue %d requests: %s", len(surplus), exc)
 
