@@ -14,28 +14,26 @@ from __future__ import annotations
 import argparse
 import time
 
-from bench.common import Stack, cpu_seconds
+from bench.common import Stack
+from bench.redis_capacity import idle_load, measure
 from shared import redis_pool
 from tests.procs import start_gateway, start_worker, wait_until_served
 
 MODEL = "idle"
 
 
-def measure(workers: int, seconds: float) -> dict:
+def run(workers: int, seconds: float) -> dict:
     with Stack() as stack:
         stack.procs += [start_worker(stack.redis.url, MODEL) for _ in range(workers)]
         gateway = start_gateway(stack.redis.url)
         stack.procs.append(gateway)
         wait_until_served(gateway, MODEL)
         time.sleep(3)  # past the first heartbeats and registry reads
-        client = redis_pool.connect_sync(stack.redis.url)
-        client.config_resetstat()
-        cpu, started = cpu_seconds(stack.redis.pid), time.monotonic()
-        time.sleep(seconds)
-        cpu, elapsed = cpu_seconds(stack.redis.pid) - cpu, time.monotonic() - started
-        calls = {name.removeprefix("cmdstat_"): stats["calls"] / elapsed
-                 for name, stats in client.info("commandstats").items() if name != "cmdstat_config|resetstat"}
-    return {"workers": workers, "commands_per_s": sum(calls.values()), "redis_core_share": cpu / elapsed,
+        window = measure(redis_pool.connect_sync(stack.redis.url), {"redis": stack.redis.pid}, idle_load(seconds))
+    calls = {name.removeprefix("calls:"): value / window.seconds for name, value in window.counters.items()
+             if name.startswith("calls:")}
+    return {"workers": workers, "commands_per_s": sum(calls.values()),
+            "redis_core_share": window.counters["cpu_us:redis"] / 1e6 / window.seconds,
             "by_command": dict(sorted(calls.items(), key=lambda item: -item[1]))}
 
 
@@ -44,7 +42,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=10)
     args = parser.parse_args(argv)
-    result = measure(args.workers, args.seconds)
+    result = run(args.workers, args.seconds)
     print(f"{result['workers']} idle workers and a gateway: {result['commands_per_s']:.0f} commands/s, "
           f"Redis {result['redis_core_share']:.2%} of a core")
     print("| command | per second |\n|---|---|")

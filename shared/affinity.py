@@ -66,10 +66,20 @@ local function group_state(stream, group)
 end
 """
 
+# ring(doorbell, arrival (ms), ttl): wake one idle worker, which takes the request when it is due;
+# the doorbell keeps the last ring only.
+_RING = """
+local function ring(doorbell, arrival, ttl)
+  redis.call('RPUSH', doorbell, arrival)
+  redis.call('LTRIM', doorbell, -1, -1)
+  redis.call('EXPIRE', doorbell, ttl)
+end
+"""
+
 # KEYS: shared request stream, waiting set, doorbell, candidate streams (best first). ARGV: depth
 # limit, maxlen, envelope field, envelope, group, now (ms), ttl, then each candidate's most waiting.
 # Returns {candidate (1-based; 0: none had room, -1: the model's queue is full), depth}.
-ROUTE = _WAITING + """
+ROUTE = _WAITING + _RING + """
 local depth = redis.call('XLEN', KEYS[1])
 if depth >= tonumber(ARGV[1]) then return {-1, depth} end
 for i = 4, #KEYS do
@@ -80,9 +90,7 @@ for i = 4, #KEYS do
     redis.call('EXPIRE', KEYS[i], ARGV[7])
     redis.call('ZADD', KEYS[2], 'NX', ARGV[6], KEYS[i])
     redis.call('EXPIRE', KEYS[2], ARGV[7])
-    redis.call('RPUSH', KEYS[3], ARGV[6])
-    redis.call('LTRIM', KEYS[3], -1, -1)
-    redis.call('EXPIRE', KEYS[3], ARGV[7])
+    ring(KEYS[3], ARGV[6], ARGV[7])
     return {i - 3, depth}
   end
 end
@@ -168,7 +176,7 @@ return out
 # model's stream's]. ARGV: group, now (ms), ttl, maxlen, envelope field, then (entry id, envelope)
 # pairs of entries claimed beyond a worker's free slots: each moves to the worker's own stream (a
 # ticket's binding goes with it), and the doorbell rings for them as `ROUTE` rings it.
-MOVE = """
+MOVE = _RING + """
 for i = 6, #ARGV, 2 do
   redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', ARGV[5], ARGV[i + 1])
   redis.call('XACK', KEYS[1], ARGV[1], ARGV[i])
@@ -178,10 +186,12 @@ end
 redis.call('EXPIRE', KEYS[2], ARGV[3])
 redis.call('ZADD', KEYS[3], 'NX', ARGV[2], KEYS[2])
 redis.call('EXPIRE', KEYS[3], ARGV[3])
-redis.call('RPUSH', KEYS[4], ARGV[2])
-redis.call('LTRIM', KEYS[4], -1, -1)
-redis.call('EXPIRE', KEYS[4], ARGV[3])
+ring(KEYS[4], ARGV[2], ARGV[3])
 """
+
+# KEYS: doorbell. ARGV: arrival (ms), ttl. Rings again for a request a worker saw waiting and can
+# no longer take.
+RING = _RING + "ring(KEYS[1], ARGV[1], ARGV[2])"
 
 # KEYS: streams set, a dead worker's stream. Deletes the stream once nothing is left in it.
 FORGET = """

@@ -238,7 +238,7 @@ def test_idle_workers_wait_on_the_doorbell_instead_of_polling(redis_url):
 def test_requests_claimed_past_the_free_slots_wait_in_the_own_stream_and_ring(redis_url):
     """`MOVE`, on a real Redis: the entries leave the model's stream for the worker's own, which
     joins the waiting set, and the doorbell rings (one element, with a TTL) so an idle worker
-    takes them when they are due."""
+    takes them when they are due; `RING` rings it again."""
     client = redis_pool.connect_sync(redis_url)
     model = "affinity-move"
     shared, own = keys.request_stream(model), keys.worker_stream(model, "w1")
@@ -256,5 +256,7 @@ def test_requests_claimed_past_the_free_slots_wait_in_the_own_stream_and_ring(re
         assert client.xlen(shared) == 0 and client.xpending(shared, keys.WORKER_GROUP)["pending"] == 0
         assert client.zscore(waiting, own) == 1000
         assert client.lrange(doorbell, 0, -1) == [b"1000"] and 0 < client.ttl(doorbell) <= 60
+        client.register_script(affinity.RING)(keys=[doorbell], args=[2000, 60])  # a worker passing a ring on
+        assert client.lrange(doorbell, 0, -1) == [b"2000"]
     finally:
         client.delete(shared, own, waiting, doorbell)

@@ -80,6 +80,7 @@ class RequestConsumer:
         self._claim = redis.register_script(affinity.CLAIM)
         self._steal = redis.register_script(affinity.STEAL)
         self._move = redis.register_script(affinity.MOVE)
+        self._ring = redis.register_script(affinity.RING)
         self._forget = redis.register_script(affinity.FORGET)
         self.publisher = ReplyPublisher(redis, self.worker_id)
         self.started = time.time()
@@ -206,7 +207,8 @@ class RequestConsumer:
             try:
                 if free <= 0:
                     if due is not None:  # seen, and no slot left to take it: an idle worker may
-                        await self._ring(due - self.steal_after_s)
+                        await self._ring(keys=[keys.affinity_doorbell(self.model)],
+                                         args=[round((due - self.steal_after_s) * 1000), keys.AFFINITY_STREAM_TTL_S])
                         due = None
                     continue
                 entries, oldest = await self._steal_waiting(free)
@@ -221,15 +223,6 @@ class RequestConsumer:
             due = None if oldest is None else oldest + self.steal_after_s
             if due is not None:
                 delay = min(self.steal_after_s, max(0.001, due - time.time()))
-
-    async def _ring(self, arrival: float) -> None:
-        """Ring the model's doorbell for a request that arrived then, as `affinity.ROUTE` does."""
-        doorbell = keys.affinity_doorbell(self.model)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.rpush(doorbell, round(arrival * 1000))
-            pipe.ltrim(doorbell, -1, -1)
-            pipe.expire(doorbell, keys.AFFINITY_STREAM_TTL_S)
-            await pipe.execute()
 
     async def _read(self, streams: dict[str, str], count: int, block_ms: int | None) -> list[tuple]:
         """XREADGROUP as (stream, entry id, fields) triples, this worker's own stream's first."""
