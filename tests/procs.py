@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -25,7 +26,29 @@ ROOT = Path(__file__).resolve().parent.parent
 LOG_DIR = Path(os.environ.get("LLMFLEET_TEST_LOGS", "/tmp/llmfleet-test-logs"))
 
 
+_PICKED: set[int] = set()
+
+
 def free_port() -> int:
+    """A free port below the kernel's ephemeral range, not handed out before in this process.
+
+    A port from bind(0) is ephemeral: any outgoing connection may take it before the server it is
+    for binds it (a vLLM worker binds its metrics port after seconds of start-up; CI once failed so).
+    """
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for port in random.sample(range(max(1024, low // 2), low), 64) if low > 4096 else ():
+        if port in _PICKED:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _PICKED.add(port)
+        return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

@@ -57,6 +57,24 @@ def _scrub(obj: Any, top: bool = True) -> Any:
     return obj
 
 
+def _shapes(chunk: dict[str, Any]) -> list[str]:
+    """The shapes of a chunk, a chat chunk that ends a choice with a delta counted as two.
+
+    vLLM's output collector merges engine steps that its reader has not taken yet, so whether the
+    last delta rides on the finish chunk (`delta: {content: null, tool_calls}` beside
+    `finish_reason`) or comes one chunk before it (then `delta: {}`) depends on timing, on either
+    server. It is seen here as it is in the unmerged case: the delta chunk, then the finish chunk.
+    """
+    choices = chunk.get("choices") or ()
+    if len(choices) != 1 or choices[0].get("finish_reason") is None or not choices[0].get("delta"):
+        return [_shape(chunk)]
+    choice = choices[0]
+    step = {k: v for k, v in chunk.items() if k != "system_fingerprint"}
+    step["choices"] = [{k: v for k, v in choice.items() if k != "stop_reason"} | {"finish_reason": None}]
+    finish = {**chunk, "choices": [{**choice, "delta": {}, "logprobs": None}]}
+    return [_shape(step), _shape(finish)]
+
+
 def _shape(chunk: dict[str, Any]) -> str:
     """Which keys a chunk carries, and which of them are null."""
     def keys(d: dict) -> str:
@@ -96,7 +114,7 @@ def stream_view(events: list[Any]) -> dict[str, Any]:
         "choices": [choices[i] for i in sorted(choices)],
         "usage": usage,
         "first_chunk": _shape(chunks[0]) if chunks else None,
-        "shapes": sorted({_shape(c) for c in chunks}),
+        "shapes": sorted({shape for c in chunks for shape in _shapes(c)}),
     }
 
 
