@@ -136,13 +136,17 @@ def gateway(host: str, port: int, redis_url: str, **values) -> None:
         "(usage.prompt_tokens_details.cached_tokens), as vllm serve's option of that name.")
 @option("steal-after-ms", default=10.0, type=float, help="With a free slot, take the requests that have waited "
         "this many milliseconds in another (busy or stopped) worker's own queue.")
+@option("express-slots", default=0, type=click.IntRange(min=0), help="With every slot busy, start up to "
+        "this many more requests, only of API keys that have nothing else queued (fair share's express lane): "
+        "a light key's request starts at once instead of when the next request ends. The engine must have room "
+        "for them (vLLM: --max-num-seqs above --max-concurrency). 0: off.")
 @option("kinds", default="", help="Comma-separated request kinds to accept (chat, completion, tokenize, "
         "detokenize); default: every kind the engine answers. Gateways queue no other kind for the model "
         "while no live worker accepts it.")
 def worker(model, engine, served_model_name, redis_url, max_concurrency, metrics_port, claim_idle, kinds,
-           steal_after_ms, scripted_tokens_per_second, scripted_first_token_delay, scripted_prefill_per_token,
-           enable_prompt_tokens_details, chat_template, tool_call_parser, enable_auto_tool_choice, reasoning_parser,
-           **engine_options) -> None:
+           steal_after_ms, express_slots, scripted_tokens_per_second, scripted_first_token_delay,
+           scripted_prefill_per_token, enable_prompt_tokens_details, chat_template, tool_call_parser,
+           enable_auto_tool_choice, reasoning_parser, **engine_options) -> None:
     """Run a worker that serves one model from the Redis queue."""
     import uvloop
 
@@ -175,7 +179,8 @@ def worker(model, engine, served_model_name, redis_url, max_concurrency, metrics
         raise click.BadParameter(f"the {engine} engine cannot answer {', '.join(sorted(unknown))} requests; it "
                                  f"answers {', '.join(adapter.kinds)}", param_hint="--kinds")
     # uvloop, as `vllm serve` runs: the worker's loop relays every token of every request.
-    uvloop.run(serve(adapter, redis_url, max_concurrency, metrics_port, claim_idle, accepted, steal_after_ms / 1000))
+    uvloop.run(serve(adapter, redis_url, max_concurrency, metrics_port, claim_idle, accepted, steal_after_ms / 1000,
+                     express_slots))
 
 
 def _read(path: str | None) -> str | None:

@@ -22,6 +22,13 @@ as before. What changes is which request an entry stands for:
   until the ticket is acknowledged, so a ticket reclaimed from a dead worker runs the same
   request again, and binding is idempotent.
 
+- A worker whose slots are all busy may still start a few requests (`--express-slots`): only
+  while a queue waits in a new turn, that is a tenant with nothing else queued (`EXPRESS`). Its
+  arrival rings the model's doorbell (`keys.new_turn_doorbell`, in `ENQUEUE`), which such a worker
+  waits on. A light tenant's request then starts at once instead of at the next slot that frees,
+  while a tenant with a backlog waits for its turns as before. Tickets are interchangeable, so the
+  ticket an express claim reads is bound like any other (`BIND`: by priority, new turns first).
+
 So tenants of one priority are served in turn (round robin, one request each), whatever their
 arrival order: a tenant's single request waits for the next free slot, not behind another
 tenant's 1,000 queued requests. `high` is served before `normal` before `low`
@@ -40,9 +47,10 @@ from shared import keys
 
 PRIORITIES = ("high", "normal", "low")  # served in this order (gateway.tenancy.PRIORITIES)
 
-# KEYS: request stream [, tenant queue, its priority's new turns]. ARGV: depth limit, maxlen, envelope field,
-# envelope [, ticket field, ttl]. With one key, the envelope is the entry (arrival order); with
-# three, the entry is a ticket and the envelope waits in its tenant's queue. Returns {accepted, depth}.
+# KEYS: request stream [, tenant queue, its priority's new turns, the new-turn doorbell]. ARGV: depth
+# limit, maxlen, envelope field, envelope [, ticket field, ttl]. With one key, the envelope is the entry
+# (arrival order); with four, the entry is a ticket and the envelope waits in its tenant's queue (a
+# queue that was empty takes a new turn and rings the doorbell). Returns {accepted, depth}.
 ENQUEUE = """
 local depth = redis.call('XLEN', KEYS[1])
 if depth >= tonumber(ARGV[1]) then return {0, depth} end
@@ -50,7 +58,12 @@ if #KEYS == 1 then
   redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', ARGV[3], ARGV[4])
   return {1, depth}
 end
-if redis.call('RPUSH', KEYS[2], ARGV[4]) == 1 then redis.call('RPUSH', KEYS[3], KEYS[2]) end
+if redis.call('RPUSH', KEYS[2], ARGV[4]) == 1 then
+  redis.call('RPUSH', KEYS[3], KEYS[2])
+  redis.call('RPUSH', KEYS[4], 1)
+  redis.call('LTRIM', KEYS[4], -1, -1)
+  redis.call('EXPIRE', KEYS[4], ARGV[6])
+end
 redis.call('EXPIRE', KEYS[2], ARGV[6])
 redis.call('EXPIRE', KEYS[3], ARGV[6])
 redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', ARGV[5], '1')
@@ -92,6 +105,21 @@ end
 return out
 """
 
+# KEYS: request stream, then the new turns of each priority, highest first. ARGV: group, consumer.
+# Claims one entry for the consumer if a queue waits in a new turn; returns {stream, entry id,
+# fields} triples (none or one), as `shared.affinity.CLAIM`. The worker binds a ticket as any other.
+EXPRESS = """
+for i = 2, #KEYS do
+  if redis.call('LLEN', KEYS[i]) > 0 then
+    local got = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', 1, 'STREAMS', KEYS[1], '>')
+    if not got then return {} end
+    local entry = got[1][2][1]
+    return {{KEYS[1], entry[1], entry[2]}}
+  end
+end
+return {}
+"""
+
 
 def enqueue_keys(model: str, tenant: str, priority: str) -> list[str]:
     """The keys of `ENQUEUE` for a request of `tenant` ("" : anonymous, its own stream entry)."""
@@ -99,7 +127,7 @@ def enqueue_keys(model: str, tenant: str, priority: str) -> list[str]:
         return [keys.request_stream(model)]
     priority = priority if priority in PRIORITIES else "normal"
     return [keys.request_stream(model), keys.tenant_queue(model, priority, tenant),
-            keys.tenant_turns(model, priority, new=True)]
+            keys.tenant_turns(model, priority, new=True), keys.new_turn_doorbell(model)]
 
 
 def enqueue_args(depth_limit: int, envelope: bytes, fair: bool) -> list:
@@ -110,3 +138,7 @@ def enqueue_args(depth_limit: int, envelope: bytes, fair: bool) -> list:
 def bind_keys(model: str) -> list[str]:
     return [keys.bound_requests(model),
             *(keys.tenant_turns(model, p, new) for p in PRIORITIES for new in (True, False))]
+
+
+def express_keys(model: str) -> list[str]:
+    return [keys.request_stream(model), *(keys.tenant_turns(model, p, new=True) for p in PRIORITIES)]

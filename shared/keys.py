@@ -70,6 +70,10 @@ part of the name. `<...>` is a placeholder.
 | llmfleet:bound:{<model>}             | hash    | TTL FAIR_QUEUE_TTL_S, refreshed; ticket  |
 |                                      |         | -> envelope while claimed, HDEL'd with   |
 |                                      |         | the ticket's XACK (at most its pending)  |
+| llmfleet:turns:{<model>}:doorbell    | list    | one element (LTRIM), TTL                 |
+|                                      |         | FAIR_QUEUE_TTL_S: rung when a tenant     |
+|                                      |         | queue joins the new turns; busy workers  |
+|                                      |         | with an express slot wait on it (BLPOP)  |
 | llmfleet:key:{<name>}                | hash    | TTL: the key's lifetime (`llmfleet keys  |
 |                                      |         | create --expires-in`); a managed API key |
 |                                      |         | (gateway/keys.py), its secret's SHA-256  |
@@ -248,6 +252,10 @@ def tenant_queue(model: str, priority: str, tenant: str) -> str:
 
 def tenant_turns(model: str, priority: str, new: bool = False) -> str:
     return f"{PREFIX}:turns:{_tag(model)}:{priority}" + (":new" if new else "")
+
+
+def new_turn_doorbell(model: str) -> str:
+    return f"{PREFIX}:turns:{_tag(model)}:doorbell"
 
 
 def bound_requests(model: str) -> str:

@@ -21,7 +21,7 @@ from shared import keys
 from shared.envelopes import GenerationChunk, RequestEnvelope, SamplingOptions
 from shared.errors import Overloaded
 from tests.conftest import leftover_keys
-from tests.procs import in_process_fleet, start_gateway, start_worker, wait_for
+from tests.procs import in_process_fleet, metric_value, start_gateway, start_worker, wait_for
 from tests.test_keys import create_key
 
 pytestmark = pytest.mark.integration
@@ -157,6 +157,43 @@ async def test_high_is_served_before_normal_before_low(redis_url, redis_client, 
         assert order == ["first", "high-0", "high-1", "normal-0", "normal-1", "low-0", "low-1"]
     finally:
         worker.stop()
+
+
+async def light_beside_a_running_backlog(redis_url: str, redis_client, model: str, *worker_args: str):
+    """A heavy tenant's 5 one-second requests queued, one running on a one-slot worker; then a
+    light tenant's one 50 ms request. Returns the order they finished in, and the worker."""
+    async with in_process_fleet(redis_url) as fleet:
+        heavy = [envelope(model, "heavy", max_tokens=100) for _ in range(5)]
+        runs = await submit_all(fleet, heavy)
+        worker = one_slot_worker(redis_url, model, *worker_args)
+        try:
+            await wait_running(redis_client, heavy[0])
+            light = envelope(model, "light")
+            runs += await submit_all(fleet, [light])
+            endings = await asyncio.wait_for(asyncio.gather(*runs), 60)
+        except BaseException:
+            worker.stop()
+            raise
+    requests = {e.request_id: e for e in [*heavy, light]}
+    assert all(e.finish_reason == "length" for e in endings)
+    return service_order(requests, {e.request_id: end for e, end in zip([*heavy, light], endings, strict=True)}), worker
+
+
+async def test_an_express_slot_starts_a_light_tenants_request_while_every_slot_is_busy(redis_url, redis_client,
+                                                                                       model):
+    order, worker = await light_beside_a_running_backlog(redis_url, redis_client, model, "--express-slots", "1")
+    try:
+        # Started beside heavy's running request, light's short one ends first.
+        assert order == ["light", *["heavy"] * 5]
+        assert metric_value(worker.url, "llmfleet_worker_claims_total", model=model, source="express") == 1
+        # The heavy tenant's backlog never takes the express slot: one request at a time, in turn.
+        assert metric_value(worker.url, "llmfleet_worker_claims_total", model=model, source="shared") == 5
+    finally:
+        worker.stop()
+    # Without it, light waits for the slot: it takes the next turn, after heavy's running request.
+    order, worker = await light_beside_a_running_backlog(redis_url, redis_client, f"{model}-b")
+    worker.stop()
+    assert order == ["heavy", "light", *["heavy"] * 4]
 
 
 async def test_a_dead_workers_tickets_run_their_own_requests_on_another_worker(redis_url, redis_client, model):

@@ -4,6 +4,8 @@ A worker pulls: it asks the consumer group for at most as many requests as it ha
 so work lands where there is room and no router has to guess load. It claims the oldest waiting
 requests of its own stream (sent to it for its cache, `shared/affinity.py`) and its model's, and
 with a free slot, every `steal_after_s`, what has waited that long in other workers' own streams.
+With every slot busy, it may start `express_slots` more, for tenants with nothing else queued
+(`shared/fair_queue.py`).
 Each claimed request runs as its own task; its chunks go to the `ReplyPublisher`. Cancels reach it by pub/sub and their
 stashes (`worker/cancels.py`) and the adapter as `abort(request_id)`. A heartbeat key tells the
 gateways what this worker serves and how busy it is; the same beat renews the leases of the
@@ -61,7 +63,7 @@ def new_worker_id() -> str:
 class RequestConsumer:
     def __init__(self, redis: aioredis.Redis, adapter: GenerationAdapter, max_concurrency: int,
                  worker_id: str | None = None, claim_idle_s: float = 3.0, kinds: tuple[str, ...] = (),
-                 steal_after_s: float = 0.01):
+                 steal_after_s: float = 0.01, express_slots: int = 0):
         self.redis = redis
         # The per-request commands (lease, dead letters) of every request go out in shared pipelines:
         # a claim of hundreds of requests is one round trip, not hundreds of connections.
@@ -76,7 +78,9 @@ class RequestConsumer:
         self.stream = keys.request_stream(self.model)
         self.own_stream = keys.worker_stream(self.model, self.worker_id)
         self.steal_after_s = steal_after_s
+        self.express_slots = express_slots
         self._bind = redis.register_script(fair_queue.BIND)
+        self._express = redis.register_script(fair_queue.EXPRESS)
         self._claim = redis.register_script(affinity.CLAIM)
         self._steal = redis.register_script(affinity.STEAL)
         self._move = redis.register_script(affinity.MOVE)
@@ -92,6 +96,7 @@ class RequestConsumer:
         self._progress: dict[str, _Progress] = {}
         self._background: set[asyncio.Task] = set()
         self._slot_freed = asyncio.Event()
+        self._express_open = asyncio.Event()  # every slot busy, an express slot free (or stopping)
         self._stop_claiming = asyncio.Event()  # `stop()`: claim nothing more
         self._stop_loops = asyncio.Event()  # the drain is over: heartbeat, cancels and leases end
         # Every per-model series exists from the start, at 0, so that a rate sees the first event
@@ -100,7 +105,7 @@ class RequestConsumer:
                        metrics.TOKENS_AFTER_CANCEL, metrics.QUEUE_TIMEOUTS, metrics.CANCEL_LATENCY, metrics.RECLAIMED,
                        metrics.PREFILL_TIME, metrics.DECODE_TIME):
             family.labels(self.model)
-        for source in ("own", "shared", "stolen", "reclaimed"):
+        for source in ("own", "shared", "stolen", "reclaimed", "express"):
             metrics.CLAIMS.labels(self.model, source)
         self.leases = Leases(self.batched, self.worker_id)
         self.cancels = CancelFollower(redis, self.model, self._running, self._cancel_requested,
@@ -115,10 +120,12 @@ class RequestConsumer:
         and deregister, each step bounded whatever Redis does. A loop that fails stops the worker:
         `run` raises its error once the rest has stopped."""
         await self._ensure_group()
-        loops = [asyncio.create_task(job, name=job.__qualname__) for job in (
-            self.batched.run(), self.publisher.run(), self._heartbeat(), self.cancels.listen(self._stop_loops),
-            self.reclaim_requests(), self.steal_waiting(), self._watch_engine(),
-            self.leases.watch(self._stop_loops, self._lease_lost))]
+        jobs = [self.batched.run(), self.publisher.run(), self._heartbeat(), self.cancels.listen(self._stop_loops),
+                self.reclaim_requests(), self.steal_waiting(), self._watch_engine(),
+                self.leases.watch(self._stop_loops, self._lease_lost)]
+        if self.express_slots:
+            jobs.append(self.claim_express())
+        loops = [asyncio.create_task(job, name=job.__qualname__) for job in jobs]
         claiming = asyncio.create_task(self.claim_requests(), name="RequestConsumer.claim_requests")
         stop_requested = asyncio.create_task(self._stop_claiming.wait())
         try:
@@ -162,6 +169,7 @@ class RequestConsumer:
         self.draining = True
         self._stop_claiming.set()
         self._slot_freed.set()
+        self._express_open.set()
 
     async def _ensure_group(self) -> None:
         for stream in (self.stream, self.own_stream):
@@ -223,6 +231,32 @@ class RequestConsumer:
             due = None if oldest is None else oldest + self.steal_after_s
             if due is not None:
                 delay = min(self.steal_after_s, max(0.001, due - time.time()))
+
+    async def claim_express(self) -> None:
+        """While every slot is busy, start up to `express_slots` more requests, only of tenants that
+        have nothing else queued (`shared.fair_queue.EXPRESS`): a light tenant's request starts at
+        once, not when the next slot frees. Woken by the model's new-turn doorbell."""
+        while not self._stop_claiming.is_set():
+            await self._express_open.wait()
+            if self._stop_claiming.is_set():
+                break
+            try:
+                entries = _entries(await self._express(keys=fair_queue.express_keys(self.model),
+                                                       args=[keys.WORKER_GROUP, self.worker_id]))
+                if not entries:  # until a tenant's queue takes a new turn (or a second has passed)
+                    await self.redis.blpop([keys.new_turn_doorbell(self.model)], timeout=DOORBELL_WAIT_S)
+            except RedisError as exc:
+                log.warning("express claim failed: %s", exc)
+                await pause(self._stop_claiming, 0.5)
+                continue
+            if entries:
+                await self._start_entries(entries, "express")
+
+    def _update_express(self) -> None:
+        if self.max_concurrency <= self.in_flight < self.max_concurrency + self.express_slots:
+            self._express_open.set()
+        elif not self._stop_claiming.is_set():
+            self._express_open.clear()
 
     async def _read(self, streams: dict[str, str], count: int, block_ms: int | None) -> list[tuple]:
         """XREADGROUP as (stream, entry id, fields) triples, this worker's own stream's first."""
@@ -347,6 +381,7 @@ class RequestConsumer:
         task = asyncio.create_task(self.run_request(stream, entry_id, request, reclaimed), name=request.request_id)
         self._running[request.request_id] = task
         task.add_done_callback(lambda _t, rid=request.request_id: self._finished(rid))
+        self._update_express()
 
     def _finished(self, request_id: str) -> None:
         self._running.pop(request_id, None)
@@ -355,6 +390,7 @@ class RequestConsumer:
         self._cancel_requested.pop(request_id, None)
         metrics.IN_FLIGHT.labels(self.model).set(self.in_flight)
         self._slot_freed.set()
+        self._update_express()
 
     async def _dead_letter(self, stream: str, entry_id: str, data: bytes, reason: str) -> None:
         """Move a poison entry to the model's dead-letter stream, with why, and acknowledge it."""
