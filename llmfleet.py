@@ -132,6 +132,8 @@ def gateway(host: str, port: int, redis_url: str, **values) -> None:
 @option("scripted-first-token-delay", default=0.0, type=float, help="Scripted engine delay, seconds.")
 @option("scripted-prefill-per-token", default=0.0, type=float, help="Scripted engine: seconds of prefill per "
         "prompt token not in its simulated prefix cache (0: no cache, no prefill time).")
+@option("scripted-cache-blocks", default=100_000, type=click.IntRange(min=1), help="Scripted engine: blocks of 16 "
+        "tokens its simulated prefix cache holds (the least recently used go first), as a KV cache of that size.")
 @option("enable-prompt-tokens-details", is_flag=True, help="Report the prompt tokens found in the prefix cache "
         "(usage.prompt_tokens_details.cached_tokens), as vllm serve's option of that name.")
 @option("steal-after-ms", default=10.0, type=float, help="With a free slot, take the requests that have waited "
@@ -145,8 +147,8 @@ def gateway(host: str, port: int, redis_url: str, **values) -> None:
         "while no live worker accepts it.")
 def worker(model, engine, served_model_name, redis_url, max_concurrency, metrics_port, claim_idle, kinds,
            steal_after_ms, express_slots, scripted_tokens_per_second, scripted_first_token_delay,
-           scripted_prefill_per_token, enable_prompt_tokens_details, chat_template, tool_call_parser,
-           enable_auto_tool_choice, reasoning_parser, **engine_options) -> None:
+           scripted_prefill_per_token, scripted_cache_blocks, enable_prompt_tokens_details, chat_template,
+           tool_call_parser, enable_auto_tool_choice, reasoning_parser, **engine_options) -> None:
     """Run a worker that serves one model from the Redis queue."""
     import uvloop
 
@@ -157,7 +159,7 @@ def worker(model, engine, served_model_name, redis_url, max_concurrency, metrics
         from worker.scripted import ScriptedAdapter
 
         adapter = ScriptedAdapter(name, engine_options["max_model_len"] or 4096, scripted_tokens_per_second,
-                                  scripted_first_token_delay, scripted_prefill_per_token)
+                                  scripted_first_token_delay, scripted_prefill_per_token, scripted_cache_blocks)
     else:
         from vllm import AsyncEngineArgs
 

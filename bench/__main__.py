@@ -2,11 +2,13 @@
 
 Runs, in order, each on fresh processes: gateway capacity (scripted engine), the engine path
 (`vllm bench serve` against vllm serve, llmfleet and LiteLLM), cancel latency (vLLM worker),
-fair share between tenants (scripted workers) and cache affinity (scripted, then vLLM workers).
+fair share between tenants (scripted workers) and cache affinity (scripted, scripted with a
+bounded cache, then vLLM workers).
 Progress goes to stderr; each part writes bench/results/NAME.json and its PNG; then
 docs/benchmarks.md is rebuilt from those results (`bench.report`).
 
-    python -m bench [--quick] [--before REF] [--only gateway,engine,cancel,fairness,affinity,affinity-vllm]
+    python -m bench [--quick] [--before REF] [--only gateway,engine,cancel,fairness,affinity,affinity-bounded,
+                                                     affinity-vllm]
 
 `--quick` is a smoke run of a few minutes; its report goes to bench/results/benchmarks.md and
 leaves docs/ alone. `--before REF` adds llmfleet as of git revision REF to the relay
@@ -31,6 +33,8 @@ PARTS = {
     "cancel": lambda args: cancel_latency.main(["--trials", "20" if args.quick else "100", "--load", "8"]),
     "fairness": lambda args: fair_share.main(["--quick"] * args.quick),
     "affinity": lambda args: affinity.main(["--quick"] * args.quick),
+    "affinity-bounded": lambda args: affinity.main(["--cache-blocks", str(affinity.BOUNDED_CACHE_BLOCKS),
+                                                    *["--quick"] * args.quick]),
     "affinity-vllm": lambda args: affinity.main(["--engine", "vllm", *["--quick"] * args.quick]),
 }
 

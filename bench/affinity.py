@@ -21,7 +21,12 @@ where their requests came from (own stream, shared stream, stolen after waiting 
 worker). Goals (issue #15): with reuse, TTFT p50 at least 2x lower than the shared queue; without
 reuse, throughput >= 0.98x.
 
-    python -m bench.affinity [--engine scripted|vllm] [--quick] [--workers N]
+With `--cache-blocks N` the scripted workers' caches hold N blocks of 16 tokens each, as a KV
+cache of that size (LRU): a fleet whose cache memory holds each conversation once, but not once
+on every worker, which is where a shared queue loses most (every worker caches every
+conversation it meets, and evicts what the next turn needs).
+
+    python -m bench.affinity [--engine scripted|vllm] [--quick] [--workers N] [--cache-blocks N]
 
 Writes bench/results/affinity[_vllm].json and .png, prints a markdown table.
 """
@@ -45,6 +50,10 @@ MODEL = "affinity-bench"
 WORKERS = 2
 SCRIPTED = {"slots": 16, "prefill_per_token": 0.0001, "tokens_per_second": 200, "system_words": 1500,
             "user_words": 100, "answer_tokens": 100, "conversations": 32, "turns": 8}
+# `--cache-blocks` of the bounded run (`python -m bench`): each worker's half of the conversations at their
+# last turn (16 x 8 x 200 words) plus the system prompt is ~1,700 blocks, every conversation ~3,300: room for
+# half again a worker's share, not for all of them.
+BOUNDED_CACHE_BLOCKS = 2500
 # The tiny model's tokenizer makes about 1.6 tokens of a word: a system prompt of about 1,500 tokens.
 VLLM = {"slots": 8, "system_words": 950, "user_words": 25, "answer_tokens": 16, "conversations": 16, "turns": 6}
 # The benchmarks' engine options, with room for the growing conversations (the tiny model has 4,096 positions).
@@ -158,14 +167,16 @@ async def _measure(redis_url: str, workers, shape: dict) -> list[dict]:
     return rows
 
 
-def run(engine: str, quick: bool, count: int = WORKERS) -> dict:
-    shape = dict(SCRIPTED if engine == "scripted" else VLLM)
+def run(engine: str, quick: bool, count: int = WORKERS, cache_blocks: int | None = None) -> dict:
+    shape = dict(SCRIPTED if engine == "scripted" else VLLM, cache_blocks=cache_blocks)
     if quick:
         shape.update(conversations=8, turns=4)
     with Stack() as stack:
         if engine == "scripted":
             args = ["--scripted-prefill-per-token", str(shape["prefill_per_token"]), "--scripted-tokens-per-second",
                     str(shape["tokens_per_second"])]
+            if cache_blocks:
+                args += ["--scripted-cache-blocks", str(cache_blocks)]
             workers = [start_worker(stack.redis.url, MODEL, *args, "--max-concurrency", str(shape["slots"]))
                        for _ in range(count)]
         else:
@@ -221,15 +232,17 @@ def plot(result: dict) -> None:
         ax.bar(range(len(rows)), [r[key] for r in rows], color=colors)
         ax.set_xticks(range(len(rows)), names, fontsize=7)
         ax.set_title(label)
-    fig.suptitle(f"cache affinity, {result['engine']} engine, {result['workers']} workers")
+    bounded = f", a cache of {blocks} blocks each" if (blocks := result["shape"].get("cache_blocks")) else ""
+    fig.suptitle(f"cache affinity, {result['engine']} engine, {result['workers']} workers{bounded}")
     fig.tight_layout()
     RESULTS.mkdir(parents=True, exist_ok=True)
-    fig.savefig(RESULTS / _name(result["engine"], "png", result["workers"]), dpi=110)
+    fig.savefig(RESULTS / _name(result["engine"], "png", result["workers"], bool(blocks)), dpi=110)
     plt.close(fig)
 
 
-def _name(engine: str, suffix: str, workers: int = WORKERS) -> str:
-    return f"affinity{'' if engine == 'scripted' else '_' + engine}{'' if workers == WORKERS else f'_{workers}w'}.{suffix}"
+def _name(engine: str, suffix: str, workers: int = WORKERS, bounded: bool = False) -> str:
+    return (f"affinity{'' if engine == 'scripted' else '_' + engine}{'' if workers == WORKERS else f'_{workers}w'}"
+            f"{'_bounded' if bounded else ''}.{suffix}")
 
 
 def section(results: list[dict]) -> list[str]:
@@ -242,7 +255,9 @@ def section(results: list[dict]) -> list[str]:
             "same workers, with prompts of their own. TTFT is the client's, streaming.")]
     for result in results:
         shape = result["shape"]
-        engine = ("scripted engine simulating a prefix cache "
+        blocks = shape.get("cache_blocks")
+        size = f"a cache of {blocks:,} blocks of 16 tokens per worker" if blocks else "an unbounded cache"
+        engine = (f"scripted engine simulating a prefix cache, {size} "
                   f"({shape['prefill_per_token'] * 1000:.2f} ms of prefill per uncached prompt token, "
                   f"{shape['tokens_per_second']} tokens/s)" if result["engine"] == "scripted"
                   else "vLLM on the tiny model, prefix caching on")
@@ -251,7 +266,8 @@ def section(results: list[dict]) -> list[str]:
                  f"{shape['system_words']} words, {shape['user_words']}-word user turns, {shape['answer_tokens']}-token "
                  f"answers, {result['workers']} workers of {shape['slots']} slots"
                  + (" (**a --quick run**)" if result["quick"] else "") + f"; measured {result['measured_at']}."),
-                "", table(result), "", f"![cache affinity, {result['engine']}]({_name(result['engine'], 'png', result['workers'])})",
+                "", table(result), "",
+                f"![cache affinity, {result['engine']}]({_name(result['engine'], 'png', result['workers'], bool(blocks))})",
                 "", analysis(result)]
     return out
 
@@ -280,9 +296,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="8 conversations of 4 turns")
     parser.add_argument("--workers", type=int, default=WORKERS, help="workers of the model (results named _Nw "
                         "when not the default)")
+    parser.add_argument("--cache-blocks", type=int, default=None, help="scripted engine: blocks each worker's "
+                        "simulated prefix cache holds (default: unbounded; results named _bounded)")
     args = parser.parse_args(argv)
-    return save(_name(args.engine, "json", args.workers).removesuffix(".json"), run(args.engine, args.quick, args.workers),
-                plot, table)
+    name = _name(args.engine, "json", args.workers, bool(args.cache_blocks)).removesuffix(".json")
+    return save(name, run(args.engine, args.quick, args.workers, args.cache_blocks), plot, table)
 
 
 if __name__ == "__main__":

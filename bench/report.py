@@ -20,7 +20,7 @@ from bench.common import RESULTS, ROOT
 DOCS = ROOT / "docs"
 NOTES = ROOT / "bench" / "notes.md"
 PLOTS = ("engine_path.png", "relay_throughput.png", "gateway_ttft.png", "gateway_streams.png", "cancel_latency.png",
-         "fair_share.png", "affinity.png", "affinity_vllm.png")
+         "fair_share.png", "affinity.png", "affinity_bounded.png", "affinity_vllm.png")
 
 HEADER = """# Benchmarks
 
@@ -129,7 +129,7 @@ def render(quick: bool) -> str:
                 "![cancel latency](cancel_latency.png)"]
     if fairness := _load("fair_share"):
         out += fair_share.section(fairness)
-    if cache := [result for name in ("affinity", "affinity_vllm") if (result := _load(name))]:
+    if cache := [result for name in ("affinity", "affinity_bounded", "affinity_vllm") if (result := _load(name))]:
         out += affinity.section(cache)
     if NOTES.exists():
         out += ["", NOTES.read_text().strip()]

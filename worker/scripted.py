@@ -9,10 +9,12 @@ Media content parts (images, audio) are not read. Pacing options make a run slow
 to start or slow to stream, so tests can cancel or kill it at a chosen point.
 
 With `prefill_per_token`, the engine simulates a prefix cache: it remembers the blocks of 16
-prompt tokens (words) it has seen, as vLLM's prefix caching does, and before the first token
-waits that long for each prompt token not found there, one prefill at a time (prefill is the
-engine's compute, which its requests share); usage reports the cached tokens. So the benefit of
-sending a conversation back to its worker can be measured without an engine.
+tokens (words) it has seen, of the prompt and of the first choice's answer once it ends, as
+vLLM's prefix caching keeps a sequence's full blocks, and before the first token waits that long
+for each prompt token not found there, one prefill at a time (prefill is the engine's compute,
+which its requests share); usage reports the cached tokens. The cache holds `cache_blocks` blocks,
+the least recently used going first, as a KV cache of that size would. So the benefit of sending a
+conversation back to its worker can be measured without an engine.
 """
 
 from __future__ import annotations
@@ -100,12 +102,13 @@ class ScriptedAdapter(GenerationAdapter):
         tokens_per_second: float = 0.0,
         first_token_delay: float = 0.0,
         prefill_per_token: float = 0.0,
+        cache_blocks: int = CACHE_BLOCKS,
     ):
         super().__init__(served_model_name, max_model_len)
         self.token_interval = 1.0 / tokens_per_second if tokens_per_second > 0 else 0.0
         self.first_token_delay = first_token_delay
         self.prefill_per_token = prefill_per_token
-        self.cache = PrefixCache() if prefill_per_token > 0 else None
+        self.cache = PrefixCache(cache_blocks) if prefill_per_token > 0 else None
         self._prefill = asyncio.Lock()
         self._aborts: dict[str, asyncio.Event] = {}
 
@@ -128,6 +131,7 @@ class ScriptedAdapter(GenerationAdapter):
         max_tokens = params.max_tokens or DEFAULT_MAX_TOKENS
         aborted = self._aborts[request.request_id] = asyncio.Event()
         cached = None
+        answer: list[str] = []  # the first choice's text, cached with the prompt once it ends
         try:
             if self.cache is not None:
                 tokens = every_prompt_word(request)
@@ -138,6 +142,10 @@ class ScriptedAdapter(GenerationAdapter):
                                          params.logprobs, request.kind):
                 if chunk.done:
                     chunk.usage.cached_tokens = cached
+                    if self.cache is not None and len(prompts) == 1:
+                        self.cache.lookup_and_insert(tokens + "".join(answer).split())
+                elif chunk.choice_index == 0 and chunk.text:
+                    answer.append(chunk.text)
                 yield chunk
         finally:
             del self._aborts[request.request_id]
