@@ -23,7 +23,8 @@ CANCEL_LATENCY = Histogram("llmfleet_worker_cancel_seconds",
                            "From the gateway's cancel to the engine's last output", ["model"],
                            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2))
 CLAIMS = Counter("llmfleet_worker_claims_total", "Requests claimed, by where from: this worker's own stream "
-                 "(affinity), the model's, another worker's own after a wait (stolen), or a dead worker's (reclaimed)",
+                 "(affinity), the model's, another worker's own after a wait (stolen), a dead worker's (reclaimed), or "
+                 "past the slots for a tenant with nothing else queued (express)",
                  ["model", "source"])
 RECLAIMED = Counter("llmfleet_worker_reclaimed_total", "Requests taken over from a worker that died", ["model"])
 PREFILL_TIME = Histogram("llmfleet_worker_time_to_first_token_seconds", "From the engine taking the request to its "
