@@ -256,9 +256,9 @@ def section(results: list[dict]) -> list[str]:
     for result in results:
         shape = result["shape"]
         blocks = shape.get("cache_blocks")
-        size = f"a cache of {blocks:,} blocks of 16 tokens per worker" if blocks else "an unbounded cache"
-        engine = (f"scripted engine simulating a prefix cache, {size} "
-                  f"({shape['prefill_per_token'] * 1000:.2f} ms of prefill per uncached prompt token, "
+        size = f"{blocks:,} blocks of 16 tokens per worker" if blocks else "unbounded"
+        engine = (f"scripted engine simulating a prefix cache ({size}; "
+                  f"{shape['prefill_per_token'] * 1000:.2f} ms of prefill per uncached prompt token, "
                   f"{shape['tokens_per_second']} tokens/s)" if result["engine"] == "scripted"
                   else "vLLM on the tiny model, prefix caching on")
         out += ["", f"### {result['engine']}: {engine}", "",
@@ -267,7 +267,8 @@ def section(results: list[dict]) -> list[str]:
                  f"answers, {result['workers']} workers of {shape['slots']} slots"
                  + (" (**a --quick run**)" if result["quick"] else "") + f"; measured {result['measured_at']}."),
                 "", table(result), "",
-                f"![cache affinity, {result['engine']}]({_name(result['engine'], 'png', result['workers'], bool(blocks))})",
+                f"![cache affinity, {result['engine']}{', bounded cache' if blocks else ''}]"
+                f"({_name(result['engine'], 'png', result['workers'], bool(blocks))})",
                 "", analysis(result)]
     return out
 
