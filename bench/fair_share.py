@@ -179,8 +179,8 @@ def analysis(result: dict) -> str:
         f"queued arrives: the light tenant's p99 is {express['light_wait_p99_ms']:.1f} ms, the goal "
         f"{goal(express)}. The heavy tenant does not take the express slot while it floods (its queue is never "
         f"empty, so never in a new turn), and is served about as fast: {fair['heavy_per_s']:.1f} requests/s "
-        "with fair share, "
-        f"{express['heavy_per_s']:.1f} with the express slot, {fifo['heavy_per_s']:.1f} in arrival order.")
+        f"with fair share, {express['heavy_per_s']:.1f} with the express slot, {fifo['heavy_per_s']:.1f} in "
+        "arrival order.")
 
 
 def main(argv: list[str] | None = None) -> dict:

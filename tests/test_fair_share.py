@@ -159,41 +159,42 @@ async def test_high_is_served_before_normal_before_low(redis_url, redis_client, 
         worker.stop()
 
 
-async def light_beside_a_running_backlog(redis_url: str, redis_client, model: str, *worker_args: str):
+async def light_beside_a_running_backlog(redis_url: str, redis_client, model: str,
+                                        *worker_args: str) -> tuple[list[str], dict[str, float]]:
     """A heavy tenant's 5 one-second requests queued, one running on a one-slot worker; then a
-    light tenant's one 50 ms request. Returns the order they finished in, and the worker."""
-    async with in_process_fleet(redis_url) as fleet:
-        heavy = [envelope(model, "heavy", max_tokens=100) for _ in range(5)]
-        runs = await submit_all(fleet, heavy)
-        worker = one_slot_worker(redis_url, model, *worker_args)
-        try:
+    light tenant's one 50 ms request. Returns the order they finished in, and the worker's claims
+    by source."""
+    heavy = [envelope(model, "heavy", max_tokens=100) for _ in range(5)]
+    light = envelope(model, "light")
+    worker = None
+    try:
+        async with in_process_fleet(redis_url) as fleet:
+            runs = await submit_all(fleet, heavy)
+            worker = one_slot_worker(redis_url, model, *worker_args)
             await wait_running(redis_client, heavy[0])
-            light = envelope(model, "light")
             runs += await submit_all(fleet, [light])
             endings = await asyncio.wait_for(asyncio.gather(*runs), 60)
-        except BaseException:
+        claims = {source: metric_value(worker.url, "llmfleet_worker_claims_total", model=model, source=source)
+                  for source in ("shared", "express")}
+    finally:
+        if worker is not None:
             worker.stop()
-            raise
-    requests = {e.request_id: e for e in [*heavy, light]}
     assert all(e.finish_reason == "length" for e in endings)
-    return service_order(requests, {e.request_id: end for e, end in zip([*heavy, light], endings, strict=True)}), worker
+    requests = {e.request_id: e for e in [*heavy, light]}
+    return service_order(requests, {e.request_id: end for e, end in zip([*heavy, light], endings, strict=True)}), claims
 
 
 async def test_an_express_slot_starts_a_light_tenants_request_while_every_slot_is_busy(redis_url, redis_client,
                                                                                        model):
-    order, worker = await light_beside_a_running_backlog(redis_url, redis_client, model, "--express-slots", "1")
-    try:
-        # Started beside heavy's running request, light's short one ends first.
-        assert order == ["light", *["heavy"] * 5]
-        assert metric_value(worker.url, "llmfleet_worker_claims_total", model=model, source="express") == 1
-        # The heavy tenant's backlog never takes the express slot: one request at a time, in turn.
-        assert metric_value(worker.url, "llmfleet_worker_claims_total", model=model, source="shared") == 5
-    finally:
-        worker.stop()
+    order, claims = await light_beside_a_running_backlog(redis_url, redis_client, model, "--express-slots", "1")
+    # Started beside heavy's running request, light's short one ends first; the heavy tenant's
+    # backlog never takes the express slot: one request at a time, in turn.
+    assert order == ["light", *["heavy"] * 5]
+    assert claims == {"shared": 5, "express": 1}
     # Without it, light waits for the slot: it takes the next turn, after heavy's running request.
-    order, worker = await light_beside_a_running_backlog(redis_url, redis_client, f"{model}-b")
-    worker.stop()
+    order, claims = await light_beside_a_running_backlog(redis_url, redis_client, f"{model}-b")
     assert order == ["heavy", "light", *["heavy"] * 4]
+    assert claims == {"shared": 6, "express": 0}
 
 
 async def test_a_dead_workers_tickets_run_their_own_requests_on_another_worker(redis_url, redis_client, model):

@@ -144,7 +144,7 @@ class ScriptedAdapter(GenerationAdapter):
                     chunk.usage.cached_tokens = cached
                     if self.cache is not None and len(prompts) == 1:
                         self.cache.lookup_and_insert(tokens + "".join(answer).split())
-                elif chunk.choice_index == 0 and chunk.text:
+                elif self.cache is not None and chunk.choice_index == 0 and chunk.text:
                     answer.append(chunk.text)
                 yield chunk
         finally:
