@@ -13,7 +13,8 @@ req/s moves by ±20%, more than most single changes.
     python -m bench.relay_throughput [--seconds 15] [--concurrency 64] [--before REF] [--rounds N] [--keys]
 
 `--keys` adds llmfleet with managed keys required (`--require-keys`) and a key whose rpm and tpm
-are checked on every request and never reached: what the front door costs.
+are checked on every request and never reached: what the front door costs (with `--before`, for
+that revision too).
 
 Writes bench/results/relay_throughput.json and .png and prints a markdown table.
 """
@@ -114,8 +115,8 @@ class KeyedFleet(Fleet):
     """The same, with managed keys required (`--require-keys`) and one key whose limits are checked
     on every request and never reached: the front door's cost."""
 
-    def __init__(self):
-        super().__init__(None, "--require-keys")
+    def __init__(self, source: str | None = None):
+        super().__init__(source, "--require-keys")
 
     def _ready(self) -> None:
         secret = subprocess.run(
@@ -148,6 +149,8 @@ def run(seconds: float, concurrency: int, before: str | None = None, rounds: int
         servers.append(("llmfleet: gateway + Redis + worker", Fleet))
         if keyed:
             servers.append(("llmfleet with a managed key (--require-keys, rpm and tpm checked)", KeyedFleet))
+            if before:
+                servers.append((f"llmfleet before ({before}) with a managed key", lambda: KeyedFleet(source)))
         samples: dict[str, list[dict]] = {name: [] for name, _ in servers}
         for i in range(rounds):
             llmfleets = servers[1:] if i % 2 == 0 else servers[:0:-1]  # before and after take turns going first
