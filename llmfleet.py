@@ -117,6 +117,9 @@ def gateway(host: str, port: int, redis_url: str, **values) -> None:
 @option("tensor-parallel-size", default=1, type=int)
 @option("max-num-seqs", default=None, type=int)
 @option("max-logprobs", default=20, type=int)
+@option("stream-interval", default=None, type=click.IntRange(min=1), help="Tokens per streamed delta after a "
+        "request's first, as vllm serve's option (default 1: every token as it comes); fewer, larger deltas "
+        "cost the worker, Redis and the gateway less per token.")
 @option("seed", default=None, type=int)
 @option("trust-remote-code", is_flag=True)
 @option("tokenizer", default=None)
@@ -159,7 +162,8 @@ def worker(model, engine, served_model_name, redis_url, max_concurrency, metrics
         from worker.scripted import ScriptedAdapter
 
         adapter = ScriptedAdapter(name, engine_options["max_model_len"] or 4096, scripted_tokens_per_second,
-                                  scripted_first_token_delay, scripted_prefill_per_token, scripted_cache_blocks)
+                                  scripted_first_token_delay, scripted_prefill_per_token, scripted_cache_blocks,
+                                  engine_options["stream_interval"] or 1)
     else:
         from vllm import AsyncEngineArgs
 

@@ -6,7 +6,9 @@ words of every message. With n > 1 every choice gets the same words, prefixed by
 among its prompt's choices ("1:hello") when that is not 0, so choices are told apart. A
 completion with several prompts answers each, its n choices at indexes prompt * n + choice.
 Media content parts (images, audio) are not read. Pacing options make a run slow
-to start or slow to stream, so tests can cancel or kill it at a chosen point.
+to start or slow to stream, so tests can cancel or kill it at a chosen point. With a
+`stream_interval` of N, as vLLM's `--stream-interval`, a choice's first token is sent at once and
+then N tokens at a time (and whatever is left when it finishes), each when its last token is due.
 
 With `prefill_per_token`, the engine simulates a prefix cache: it remembers the blocks of 16
 tokens (words) it has seen, of the prompt and of the first choice's answer once it ends, as
@@ -103,9 +105,11 @@ class ScriptedAdapter(GenerationAdapter):
         first_token_delay: float = 0.0,
         prefill_per_token: float = 0.0,
         cache_blocks: int = CACHE_BLOCKS,
+        stream_interval: int = 1,
     ):
         super().__init__(served_model_name, max_model_len)
         self.token_interval = 1.0 / tokens_per_second if tokens_per_second > 0 else 0.0
+        self.stream_interval = stream_interval
         self.first_token_delay = first_token_delay
         self.prefill_per_token = prefill_per_token
         self.cache = PrefixCache(cache_blocks) if prefill_per_token > 0 else None
@@ -162,10 +166,12 @@ class ScriptedAdapter(GenerationAdapter):
         choices = len(prompts) * n
         texts = [""] * choices
         finish: list[str | None] = [None] * choices
+        held: list[GenerationChunk | None] = [None] * choices  # tokens generated, not yet sent
         generated = 0
         for step in range(max_tokens):
             if aborted.is_set():
                 break
+            due = step % self.stream_interval == 0  # the first token, then every stream_interval
             for index in range(choices):
                 if finish[index] is not None:
                     continue
@@ -185,10 +191,22 @@ class ScriptedAdapter(GenerationAdapter):
                     finish[index] = "stop"
                 elif step == max_tokens - 1:
                     chunk.finish_reason = finish[index] = "length"
-                yield chunk
+                if (earlier := held[index]) is not None:
+                    earlier.absorb(chunk)
+                    earlier.finish_reason, earlier.stop_reason = chunk.finish_reason, chunk.stop_reason
+                    chunk = earlier
+                held[index] = None
+                if due or chunk.finish_reason:
+                    yield chunk
+                else:
+                    held[index] = chunk
             if all(finish):
                 break
-            await self._pause(self.token_interval, aborted)
+            if due:
+                await self._pause(self.token_interval * self.stream_interval, aborted)
+        for chunk in held:  # cut short by an abort: what was generated is sent, as usage counts it
+            if chunk is not None:
+                yield chunk
         reason = "cancelled" if aborted.is_set() else None
         yield GenerationChunk(
             done=True,
