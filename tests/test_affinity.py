@@ -260,3 +260,33 @@ def test_requests_claimed_past_the_free_slots_wait_in_the_own_stream_and_ring(re
         assert client.lrange(doorbell, 0, -1) == [b"2000"]
     finally:
         client.delete(shared, own, waiting, doorbell)
+
+
+def test_a_preferred_worker_past_the_bounded_load_spills_to_the_next(redis_url):
+    """`ROUTE`, on a real Redis: a candidate takes a request only while its stream holds fewer than
+    LOAD_FACTOR times the candidates' mean, the request included (consistent hashing with bounded
+    loads); the waiting allowance still holds below that bound."""
+    client = redis_pool.connect_sync(redis_url)
+    model = "affinity-bound"
+    first, second = keys.worker_stream(model, "w1"), keys.worker_stream(model, "w2")
+    route = client.register_script(affinity.ROUTE)
+    streams = affinity.route_keys(model, [first, second])
+    try:
+        for stream in (first, second):
+            client.xgroup_create(stream, keys.WORKER_GROUP, id="0", mkstream=True)
+
+        def routed(allowances=(100, 100)) -> int:
+            chosen, _depth = route(keys=streams, args=affinity.route_args(1000, b"envelope", 1000, list(allowances)))
+            return chosen
+
+        # Mean of 0.5, 1, 1.5, 2 with each request: bounds 1, 2, 3, 3 (x 1.5, rounded up).
+        assert [routed() for _ in range(4)] == [1, 1, 1, 2]
+        assert (client.xlen(first), client.xlen(second)) == (3, 1)
+        for _ in range(12):
+            routed()
+        # Of 16, the preferred worker holds the most the bound lets it: 1.5 x 16 / 2.
+        assert (client.xlen(first), client.xlen(second)) == (12, 4)
+        client.xreadgroup(keys.WORKER_GROUP, "w1", {first: ">"})  # the first's entries run: none waits there
+        assert routed(allowances=(0, 100)) == 2  # no waiting room on the first: the second, though under the bound
+    finally:
+        client.delete(*streams[1:])
