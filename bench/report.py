@@ -82,7 +82,7 @@ def targets(engine: dict | None, gateway: dict | None, cancel: dict | None) -> l
                      fleet["tokens_per_s"] >= 100_000))
         ttft = [(r, gateway_capacity.ttft_over_baseline(gateway, r)) for r in gateway["ttft"] if r["name"] == "llmfleet"]
         rows.append(("gateway: added TTFT p99 ≤ 10 ms (llmfleet's TTFT p99 minus the bare SSE server's, same rate)",
-                     ", ".join(f"+{added[1]:.1f} ms at {r['rate']:.0f} req/s (p99 {r['ttft_p99_ms']:.1f} against "
+                     ", ".join(f"{added[1]:+.1f} ms at {r['rate']:.0f} req/s (p99 {r['ttft_p99_ms']:.1f} against "
                                f"{r['ttft_p99_ms'] - added[1]:.1f})" for r, added in ttft if added is not None),
                      all(added is not None and added[1] <= 10 for _r, added in ttft)))
         streams = gateway["open_streams"]
