@@ -3,6 +3,7 @@ then that many tokens a delta, the same text and usage as one token a delta."""
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import pytest
@@ -44,9 +45,11 @@ async def test_a_stop_string_inside_a_held_group_ends_the_delta_there():
     assert deltas[-1].finish_reason == "stop" and deltas[-1].stop_reason == "five"
 
 
-async def test_each_group_is_sent_when_its_last_token_is_due():
+@pytest.mark.parametrize("max_tokens, counts, gaps", [(11, [1, 5, 5], [0.05, 0.05]), (8, [1, 5, 2], [0.05, 0.02])])
+async def test_each_group_is_sent_when_its_last_token_is_due(max_tokens, counts, gaps):
     adapter = ScriptedAdapter("m", tokens_per_second=100, stream_interval=5)  # a token every 10 ms
-    chunks, arrivals = await _run(adapter, _request(11))
-    assert [c.token_count for c in chunks[:-1]] == [1, 5, 5]
-    # Token 5 is due 50 ms after the first, token 10 50 ms after it: never sent early.
-    assert arrivals[1] - arrivals[0] >= 0.045 and arrivals[2] - arrivals[1] >= 0.045
+    chunks, arrivals = await _run(adapter, _request(max_tokens))
+    assert [c.token_count for c in chunks[:-1]] == counts
+    # Never sent before its last token is due: 10 ms a token after the one before.
+    for (earlier, later), gap in zip(itertools.pairwise(arrivals[:3]), gaps, strict=True):
+        assert later - earlier >= gap * 0.9

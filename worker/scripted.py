@@ -8,7 +8,8 @@ completion with several prompts answers each, its n choices at indexes prompt * 
 Media content parts (images, audio) are not read. Pacing options make a run slow
 to start or slow to stream, so tests can cancel or kill it at a chosen point. With a
 `stream_interval` of N, as vLLM's `--stream-interval`, a choice's first token is sent at once and
-then N tokens at a time (and whatever is left when it finishes), each when its last token is due.
+then N tokens at a time (and whatever is left when it finishes), each when its last token is due
+(a stop string ends its group when the group is generated, at the start of its interval).
 
 With `prefill_per_token`, the engine simulates a prefix cache: it remembers the blocks of 16
 tokens (words) it has seen, of the prompt and of the first choice's answer once it ends, as
@@ -202,8 +203,9 @@ class ScriptedAdapter(GenerationAdapter):
                     held[index] = chunk
             if all(finish):
                 break
-            if due:
-                await self._pause(self.token_interval * self.stream_interval, aborted)
+            if due:  # until the next group's last token, or the last token max_tokens allows
+                await self._pause(self.token_interval * (min(step + self.stream_interval, max_tokens - 1) - step),
+                                  aborted)
         for chunk in held:  # cut short by an abort: what was generated is sent, as usage counts it
             if chunk is not None:
                 yield chunk
