@@ -145,11 +145,13 @@ def gateway(host: str, port: int, redis_url: str, **values) -> None:
         "this many more requests, only of API keys that have nothing else queued (fair share's express lane): "
         "a light key's request starts at once instead of when the next request ends. The engine must have room "
         "for them (vLLM: --max-num-seqs above --max-concurrency). 0: off.")
+@option("enable-log-requests", is_flag=True, help="Log one line per request at its end (id, tenant, model, "
+        "tokens, stage times, finish reason) on `llmfleet.requests`, as vllm serve's option of that name.")
 @option("kinds", default="", help="Comma-separated request kinds to accept (chat, completion, tokenize, "
         "detokenize); default: every kind the engine answers. Gateways queue no other kind for the model "
         "while no live worker accepts it.")
 def worker(model, engine, served_model_name, redis_url, max_concurrency, metrics_port, claim_idle, kinds,
-           steal_after_ms, express_slots, scripted_tokens_per_second, scripted_first_token_delay,
+           steal_after_ms, express_slots, enable_log_requests, scripted_tokens_per_second, scripted_first_token_delay,
            scripted_prefill_per_token, scripted_cache_blocks, enable_prompt_tokens_details, chat_template,
            tool_call_parser, enable_auto_tool_choice, reasoning_parser, **engine_options) -> None:
     """Run a worker that serves one model from the Redis queue."""
@@ -186,7 +188,7 @@ def worker(model, engine, served_model_name, redis_url, max_concurrency, metrics
                                  f"answers {', '.join(adapter.kinds)}", param_hint="--kinds")
     # uvloop, as `vllm serve` runs: the worker's loop relays every token of every request.
     uvloop.run(serve(adapter, redis_url, max_concurrency, metrics_port, claim_idle, accepted, steal_after_ms / 1000,
-                     express_slots))
+                     express_slots, enable_log_requests))
 
 
 def _read(path: str | None) -> str | None:
@@ -237,12 +239,14 @@ def _table(rows: list[dict], columns: list[str]) -> None:
               "window (0: no limit).")
 @click.option("--max-parallel", default=0, type=click.IntRange(min=0), help="Requests in flight at once "
               "(0: no limit).")
+@click.option("--max-tokens", default=0, type=click.IntRange(min=0), help="Output tokens one request may ask for "
+              "(0: the gateway's --max-output-tokens alone); a request that asks for none gets this many.")
 @click.option("--priority", default="normal", type=click.Choice(["high", "normal", "low"]))
 @click.option("--models", default="", help="Comma-separated models the key may use (default: all).")
 @click.option("--expires-in", default=365, type=click.IntRange(min=1), help="Days until the key stops working.")
 @redis_options
-def create_key(name: str, rpm: int, tpm: int, max_parallel: int, priority: str, models: str, expires_in: int,
-               redis_url: str) -> None:
+def create_key(name: str, rpm: int, tpm: int, max_parallel: int, max_tokens: int, priority: str, models: str,
+               expires_in: int, redis_url: str) -> None:
     """Make a key; its secret is printed once, alone on the last line, and never stored."""
     from gateway.keys import NAME, ApiKey, KeyExists, digest, new_secret
 
@@ -252,7 +256,7 @@ def create_key(name: str, rpm: int, tpm: int, max_parallel: int, priority: str, 
     now = time.time()
     key = ApiKey(name=name, digest=digest(secret), priority=priority, rpm=rpm, tpm=tpm, max_parallel=max_parallel,
                  models=tuple(m.strip() for m in models.split(",") if m.strip()), created=now,
-                 expires=now + expires_in * 86400)
+                 expires=now + expires_in * 86400, max_tokens=max_tokens)
     try:
         _with_key_store(redis_url, lambda store: store.create(key, expires_in * 86400))
     except KeyExists:
@@ -269,7 +273,7 @@ def list_keys(redis_url: str) -> None:
     """The keys and their limits (never their secrets)."""
     found = _with_key_store(redis_url, lambda store: store.all())
     _table([key.public() for key in found],
-           ["name", "priority", "rpm", "tpm", "max_parallel", "models", "created", "expires"])
+           ["name", "priority", "rpm", "tpm", "max_parallel", "max_tokens", "models", "created", "expires"])
 
 
 @keys_group.command("revoke")

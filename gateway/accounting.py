@@ -7,6 +7,10 @@ it through `note` (the model once resolved, the status of an error met after the
 tokens, time to first token, the worker), so the count needs nothing passed through the
 routes. A streaming body runs in a child task, which shares the dict.
 
+With `--enable-log-requests` (as `vllm serve` has it), each generation request also gets one
+line of its own at its end, on the `llmfleet.requests` logger: its ids, tenant, model, tokens,
+stage times and outcome. Off by default: the access line alone is the default.
+
 It also gives each request its id: the client's `X-Request-Id` (if it is a sane token) or a new
 one, echoed on the response, carried to the worker in the envelope, and on every log line
 about the request (`shared.logs`), the access line included: one per request, at its end.
@@ -28,6 +32,7 @@ from shared import tracing
 from shared.logs import REQUEST_ID
 
 access_log = logging.getLogger("gateway.access")
+request_log = logging.getLogger("llmfleet.requests")
 
 _SANE_ID = re.compile(rb"[A-Za-z0-9._:/+=@-]{1,128}")
 
@@ -52,8 +57,9 @@ def note(**facts: Any) -> None:
 
 
 class CountResponses:
-    def __init__(self, app: ASGIApp):
+    def __init__(self, app: ASGIApp, log_requests: bool = False):
         self.app = app
+        self.log_requests = log_requests
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -85,6 +91,8 @@ class CountResponses:
             raise
         finally:
             _account(scope, facts, time.monotonic() - started)
+            if self.log_requests and "engine_request_id" in facts:
+                _log_request(facts, time.monotonic() - started)
             if span is not None:
                 _end_span(span, facts, request_id)
             REQUEST_ID.reset(id_token)
@@ -123,6 +131,20 @@ def _account(scope: Scope, facts: dict[str, Any], elapsed: float) -> None:
             "ttft_s": facts.get("ttft_s"), "queue_s": facts.get("queue_s"), "prompt_tokens": facts.get("prompt_tokens"),
             "completion_tokens": facts.get("completion_tokens"), "worker": facts.get("worker"),
             "cancel": facts.get("cancel"), "request": facts.get("engine_request_id")}})
+
+
+def _log_request(facts: dict[str, Any], elapsed: float) -> None:
+    """The request log's line: one per generation request, at its end."""
+    status = facts.get("status") or facts.get("sent_status") or 500
+    worker = facts.get("worker_timings") or {}
+    outcome = ("cancelled" if facts.get("cancel") else facts.get("finish_reason") or "ok") if status == 200 \
+        else "client_gone" if status == 499 else "error"
+    request_log.info("request %s %s", facts["engine_request_id"], outcome, extra={"fields": {
+        "request": facts["engine_request_id"], "tenant": facts.get("tenant"), "model": facts.get("model"),
+        "status": status, "outcome": outcome, "cancel": facts.get("cancel"),
+        "prompt_tokens": facts.get("prompt_tokens"), "completion_tokens": facts.get("completion_tokens"),
+        "ttft_s": facts.get("ttft_s"), "queue_s": worker.get("queue_s"), "prefill_s": worker.get("prefill_s"),
+        "decode_s": worker.get("decode_s"), "total_s": elapsed, "worker": facts.get("worker")}})
 
 
 # Probes and scrapes: answered many times a minute, never about a request.

@@ -19,6 +19,7 @@ from gateway.keys import FrontDoor
 from gateway.limits import BodySizeLimit
 from gateway.openai import chat as openai_chat
 from gateway.openai import completions as openai_completions
+from gateway.openai import invocations as openai_invocations
 from gateway.openai import responses as openai_responses
 
 
@@ -39,10 +40,12 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     if settings.api_key or settings.require_keys:  # without keys, not a single check on any request
         app.add_middleware(FrontDoor, settings=settings)  # before a body is read; its 401s are counted
-    app.add_middleware(CountResponses)  # outermost: it also counts the 413s of BodySizeLimit
+    # Outermost: it also counts the 413s of BodySizeLimit.
+    app.add_middleware(CountResponses, log_requests=settings.enable_log_requests)
     install_error_handlers(app)
     app.include_router(openai_chat.router)
     app.include_router(openai_completions.router)
+    app.include_router(openai_invocations.router)
     app.include_router(openai_responses.router)
     app.include_router(anthropic_messages.router)
     app.include_router(streams.router)

@@ -1,4 +1,5 @@
-"""Cancels that work from any gateway replica, at any moment of a request's life.
+"""Cancels that work from any gateway replica, at any moment of a request's life, for the tenant
+whose run it is and no other.
 
 The registry lives in Redis, not in a process, so `POST /v1/cancel` on one replica stops a run
 streaming through another. Three paths reach a worker:
@@ -6,19 +7,23 @@ streaming through another. Three paths reach a worker:
 - a running request: a `CancelNotice` on the pub/sub channel; the worker aborts its engine;
 - a queued request: `cancelled:{request_id}` is stashed first, and the worker that claims the
   request consumes it (DEL) before starting, so the request never runs;
-- a run not registered yet (the cancel beat the request to the gateway): `cancel-early:{id}`
-  is stashed, and registering a run with that cancel_id consumes it atomically.
+- a run not registered yet (the cancel beat the request to the gateway): `cancel-early:{group}`
+  is stashed, and registering a run of that group consumes it atomically.
 
-A cancel_id may be shared by several runs at once (an agent's parallel calls): `cancel-id:{id}`
-is the set of the request ids registered under it and not finished yet, so a cancel by that
-cancel_id stops every one of them, and a run that finishes leaves the set without making the
-others uncancellable. Registering, finishing and cancelling by cancel_id are each one Lua script
-on the two keys of that cancel_id (one cluster slot), so there is no check-then-act window
-between them. A cancel by cancel_id needs nothing else, so the run's own key (`run:{request_id}`,
-another slot, for cancels by response id) is written beside the scripts, not in them.
+Runs are found by *group*: a tenant's `cancel_id`, or a tenant's session (`keys.cancel_group`).
+A group may hold several runs at once (an agent's parallel calls): `cancel-id:{group}` is the
+set of the request ids registered under it and not finished yet, so a cancel of the group stops
+every one of them, and a run that finishes leaves the set without making the others
+uncancellable. Registering, finishing and cancelling a group are each one Lua script on the two
+keys of that group (one cluster slot), so there is no check-then-act window between them.
 
-A finished run leaves `FINISHED` in the set (for at least as long as the run could have
-lasted), so a late cancel for it is a no-op instead of a stash that could hit a later run. The
+Tenants: a group's name holds its tenant, so one tenant's cancel_id never reaches, nor stashes
+an early cancel for, another's runs. A cancel by response id reads the run's key
+(`run:{request_id}`, which holds the tenant that made it) in the script that stashes the cancel:
+another tenant's id cancels nothing.
+
+A finished run leaves `FINISHED` in its groups (for at least as long as the run could have
+lasted), so a late cancel for it is a no-op instead of a stash that could hit a later run. A
 set's TTL only ever grows, to cover its longest run.
 """
 
@@ -31,10 +36,10 @@ import redis.asyncio as aioredis
 
 from shared import keys
 from shared.codec import encode
-from shared.envelopes import CancelNotice
+from shared.envelopes import CancelNotice, RequestEnvelope
 
-# A member of `cancel-id:{id}` that no request id can be (request ids are hex): some run of this
-# cancel_id has finished.
+# A member of `cancel-id:{group}` that no request id can be (request ids are hex): some run of
+# this group has finished.
 FINISHED = b"(finished)"
 
 # keep(key, ttl): the key lives at least `ttl` more seconds; a longer TTL stays (EXPIRE GT, not in Redis 6).
@@ -60,65 +65,88 @@ keep(KEYS[1], ARGV[2])
 return 0
 """
 
-# KEYS: cancel-id, cancel-early; ARGV: ttl. Returns the members of the set (the runs still
-# registered, and the finished mark if one finished), or nil after stashing an early cancel.
-_CANCEL_BY_ID = """
+# KEYS: cancel-id, cancel-early; ARGV: ttl, stash ('1': an early cancel waits for a run of the group).
+# Returns the members of the set (the runs still registered, and the finished mark if one finished),
+# or nil when there is none (after stashing an early cancel if asked).
+_CANCEL_GROUP = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return redis.call('SMEMBERS', KEYS[1]) end
-redis.call('SET', KEYS[2], '1', 'EX', ARGV[1])
+if ARGV[2] == '1' then redis.call('SET', KEYS[2], '1', 'EX', ARGV[1]) end
 return false
 """
 
+# KEYS: run, cancelled (one slot: the request's). ARGV: tenant, cause, ttl. Stashes the cancel of a
+# registered run of that tenant; returns 1 if it did.
+_CANCEL_RUN = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[3])
+return 1
+"""
+
+
+def cancel_groups(envelope: RequestEnvelope) -> list[str]:
+    """The groups a request is cancelled by: its tenant's cancel_id, its tenant's session."""
+    groups = []
+    if envelope.cancel_id is not None:
+        groups.append(keys.cancel_group(envelope.tenant, cancel_id=envelope.cancel_id))
+    if envelope.session_id:
+        groups.append(keys.cancel_group(envelope.tenant, session_id=envelope.session_id))
+    return groups
+
 
 class CancelRegistry:
-    def __init__(self, redis: aioredis.Redis, gateway_id: str):
+    def __init__(self, redis: aioredis.Redis):
         self.redis = redis
-        self.gateway_id = gateway_id
         self._register = redis.register_script(_REGISTER)
         self._finish = redis.register_script(_FINISH)
-        self._cancel_by_id = redis.register_script(_CANCEL_BY_ID)
+        self._cancel_group = redis.register_script(_CANCEL_GROUP)
+        self._cancel_run = redis.register_script(_CANCEL_RUN)
 
-    async def register(self, request_id: str, cancel_id: str | None, ttl: int) -> bool:
-        """Record a run before it is queued; True if a cancel for its cancel_id came first."""
-        registered = self.redis.set(keys.run_key(request_id), self.gateway_id, ex=ttl)
-        if cancel_id is None:
-            await registered
-            return False
-        # Side by side: the two keys may live on different cluster nodes.
-        _, early = await asyncio.gather(registered, self._register(
-            keys=[keys.cancel_id_key(cancel_id), keys.early_cancel_key(cancel_id)], args=[request_id, ttl]))
-        return bool(early)
+    async def register(self, request_id: str, tenant: str, groups: list[str], ttl: int) -> bool:
+        """Record a run of `tenant` before it is queued; True if a cancel of one of its groups came first."""
+        registered = self.redis.set(keys.run_key(request_id), tenant, ex=ttl)
+        # Side by side: the keys may live on different cluster nodes.
+        _, *early = await asyncio.gather(registered, *(self._register(
+            keys=[keys.cancel_id_key(group), keys.early_cancel_key(group)], args=[request_id, ttl]) for group in groups))
+        return any(early)
 
-    async def finish(self, request_id: str, cancel_id: str | None, ttl: int) -> None:
-        unregistered = self.redis.delete(keys.run_key(request_id))
-        if cancel_id is None:
-            await unregistered
-            return
-        await asyncio.gather(unregistered, self._finish(keys=[keys.cancel_id_key(cancel_id)],
-                                                        args=[request_id, ttl, FINISHED]))
+    async def finish(self, request_id: str, groups: list[str], ttl: int) -> None:
+        await asyncio.gather(self.redis.delete(keys.run_key(request_id)), *(
+            self._finish(keys=[keys.cancel_id_key(group)], args=[request_id, ttl, FINISHED]) for group in groups))
 
     async def cancel_requests(self, request_ids: list[str], reason: str, sent_at: float = 0.0) -> None:
-        """Stop these requests wherever they are: queued (stash) or running (notice)."""
+        """Stop these requests wherever they are: queued (stash) or running (notice). The caller
+        has made sure they are its own."""
         pipe = self.redis.pipeline(transaction=False)
         for request_id in request_ids:
             pipe.set(keys.cancelled_key(request_id), reason, ex=keys.CANCEL_MEMORY_TTL_S)
+        self._publish(pipe, request_ids, reason, sent_at)
+        await pipe.execute()
+
+    async def cancel_group(self, group: str, *, early: bool) -> int:
+        """Cancel every run registered in `group`; with `early`, a cancel that finds none waits for
+        the group's next run. Returns how many runs it stopped."""
+        members = await self._cancel_group(keys=[keys.cancel_id_key(group), keys.early_cancel_key(group)],
+                                           args=[keys.CANCEL_MEMORY_TTL_S, "1" if early else "0"])
+        # Registered and not finished: no need to look for their runs.
+        request_ids = sorted(m.decode() for m in members or () if m != FINISHED)
+        if request_ids:
+            await self.cancel_requests(request_ids, "explicit")
+        return len(request_ids)
+
+    async def cancel_run(self, request_id: str, tenant: str, reason: str = "explicit") -> int:
+        """Cancel the run `request_id` if it is registered and `tenant`'s; returns 1 if it was."""
+        stashed = await self._cancel_run(keys=[keys.run_key(request_id), keys.cancelled_key(request_id)],
+                                         args=[tenant, reason, keys.CANCEL_MEMORY_TTL_S])
+        if not stashed:
+            return 0
+        pipe = self.redis.pipeline(transaction=False)
+        self._publish(pipe, [request_id], reason, 0.0)
+        await pipe.execute()
+        return 1
+
+    @staticmethod
+    def _publish(pipe, request_ids: list[str], reason: str, sent_at: float) -> None:
         # As a raw command: a cluster pipeline refuses `publish()`, but sends PUBLISH to a node,
         # and a cluster passes it to the subscribers of every node.
         pipe.execute_command("PUBLISH", keys.CANCEL_CHANNEL,
                              encode(CancelNotice(request_ids, reason, sent_at=sent_at or time.time())))
-        await pipe.execute()
-
-    async def cancel(self, *, cancel_id: str | None = None, request_id: str | None = None) -> int:
-        """Cancel by cancel_id (every run registered under it) or by request id; returns how many
-        runs it stopped."""
-        if cancel_id is not None:
-            members = await self._cancel_by_id(keys=[keys.cancel_id_key(cancel_id), keys.early_cancel_key(cancel_id)],
-                                               args=[keys.CANCEL_MEMORY_TTL_S])
-            # Registered and not finished: no need to look for their runs.
-            request_ids = sorted(m.decode() for m in members or () if m != FINISHED)
-        elif request_id is not None and await self.redis.exists(keys.run_key(request_id)):
-            request_ids = [request_id]
-        else:
-            request_ids = []
-        if request_ids:
-            await self.cancel_requests(request_ids, "explicit")
-        return len(request_ids)

@@ -32,9 +32,15 @@ ERROR_TYPES = {
 }
 
 
-def error_body(message: str, status: int, param: str | None = None, err_type: str | None = None) -> dict[str, Any]:
+_STATUS = object()
+
+
+def error_body(message: str, status: int, param: str | None = None, err_type: str | None = None,
+               code: Any = _STATUS) -> dict[str, Any]:
+    """The error body; its `code` is the status (vLLM's way) unless given (None for OpenAI's own rules)."""
     err_type = err_type or ERROR_TYPES.get(status) or HTTPStatus(status).phrase
-    return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+    return {"error": {"message": message, "type": err_type, "param": param,
+                      "code": status if code is _STATUS else code}}
 
 
 def fleet_error_body(error: FleetError) -> dict[str, Any]:
@@ -77,7 +83,7 @@ async def _on_validation_error(_request: Request, exc: RequestValidationError) -
     rule = next((e["ctx"]["error"] for e in errors if isinstance((e.get("ctx") or {}).get("error"), FieldRuleError)),
                 None)
     if rule is not None:  # a rule vLLM checks in its request model: its own error type and message
-        return json_response(error_body(str(rule), 400, rule.param, "BadRequestError"), 400)
+        return json_response(error_body(str(rule), 400, rule.param, rule.err_type, rule.code), 400)
     label = "error" if len(errors) == 1 else "errors"
     message = f"{len(errors)} validation {label}:\n" + "\n".join(f"  {_describe(e)}" for e in errors[:10])
     param = _loc_param(tuple(errors[0].get("loc", ()))) if errors else None

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, NoReturn
 from redis.exceptions import RedisError
 
 from gateway import metrics
-from gateway.cancel import CancelRegistry
+from gateway.cancel import CancelRegistry, cancel_groups
 from gateway.ratelimit import Grant, RateLimits
 from gateway.registry import ModelView, WorkerRegistry
 from gateway.relay import ReplyRouter
@@ -164,7 +164,7 @@ class Fleet:
         # A finished run is unregistered before its client reads the end of the answer
         # (`Run.release` awaits it), so a cancel sent right after the answer finds nothing.
         self.batched = BatchedRedis(self.redis)
-        self.cancels = CancelRegistry(self.batched, settings.gateway_id)
+        self.cancels = CancelRegistry(self.batched)
         self.limits = RateLimits(self.batched, settings.rate_window_s)
         self._enqueue_script = self.batched.register_script(fair_queue.ENQUEUE)
         self._route_script = self.batched.register_script(affinity.ROUTE)
@@ -247,14 +247,16 @@ class Fleet:
         was full) is marked finished, so that its ending does not send a needless cancel; a cancel
         in the middle leaves it unfinished: it may have been queued, and its ending cancels it."""
         envelope = run.envelope
+        groups = cancel_groups(envelope)
         try:
-            if envelope.cancel_id is not None:  # a cancel by its cancel_id may have come first
-                if await self.cancels.register(envelope.request_id, envelope.cancel_id, self._ttl(envelope)):
+            if groups:  # a cancel of its cancel_id or session may have come first
+                if await self.cancels.register(envelope.request_id, envelope.tenant, groups, self._ttl(envelope)):
                     run._replies.put_nowait(ChunkEnvelope(envelope.request_id, 0, [_cancelled_before_start(envelope)]))
                     return
                 await self._enqueue(envelope)
             else:  # nothing can have cancelled it: register and queue in the same batch, one round trip
-                registering = asyncio.ensure_future(self.cancels.register(envelope.request_id, None, self._ttl(envelope)))
+                registering = asyncio.ensure_future(self.cancels.register(envelope.request_id, envelope.tenant, [],
+                                                                          self._ttl(envelope)))
                 try:
                     await self._enqueue(envelope)
                 finally:
@@ -340,14 +342,13 @@ class Fleet:
                 await self.cancels.cancel_requests([run.request_id], cancel_reason, run.closed_at)
                 metrics.CANCELS.labels(cancel_reason).inc()
             if not run.unreachable:
-                await self.cancels.finish(run.request_id, run.envelope.cancel_id, self._ttl(run.envelope))
+                await self.cancels.finish(run.request_id, cancel_groups(run.envelope), self._ttl(run.envelope))
         except (RedisError, OSError) as exc:
             log.warning("unregistering request %s failed: %s", run.request_id, exc)
         await self.limits.release(run.grant)
 
 
 def _cancelled_before_start(envelope: RequestEnvelope) -> GenerationChunk:
-    n = envelope.params.n
     return GenerationChunk(done=True, finish_reason="cancelled", usage=Usage(),
                            candidates=None if envelope.stream else
-                           [Candidate(i, finish_reason="cancelled") for i in range(n)])
+                           [Candidate(i, finish_reason="cancelled") for i in range(envelope.choice_count)])

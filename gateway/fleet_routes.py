@@ -9,20 +9,31 @@ from fastapi import APIRouter, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
+from gateway import tenancy
 from gateway.errors import error_body, json_response
 from gateway.keys import current_key
 from gateway.protocol import CancelRequest
+from gateway.sessions import session_store
+from shared import keys
+from shared.errors import NotFound
 
 router = APIRouter()
 
 
 @router.post("/v1/cancel")
 async def cancel(body: CancelRequest, request: Request) -> Response:
-    cancels = request.app.state.fleet.cancels
+    """Cancel the caller's runs (another tenant's are never found: `cancelled: 0`, or a 404 for a
+    session that is not the caller's)."""
+    fleet = request.app.state.fleet
+    tenant = tenancy.current().name
     if body.cancel_id is not None:
-        count = await cancels.cancel(cancel_id=body.cancel_id)
+        count = await fleet.cancels.cancel_group(keys.cancel_group(tenant, cancel_id=body.cancel_id), early=True)
+    elif body.session_id is not None:
+        if await session_store(fleet).info(body.session_id) is None:
+            raise NotFound(f"Session '{body.session_id}' not found.", param="session_id")
+        count = await fleet.cancels.cancel_group(keys.cancel_group(tenant, session_id=body.session_id), early=False)
     else:
-        count = await cancels.cancel(request_id=body.request_id)
+        count = await fleet.cancels.cancel_run(body.request_id, tenant)
     return json_response({"cancelled": count})
 
 
@@ -54,6 +65,13 @@ async def fleet_load(request: Request, model: str) -> Response:
     return json_response({"model": model, "requests": load.waiting + load.running, "waiting": load.waiting,
                           "running": load.running, "workers": len(view.workers) if view else 0,
                           "slots": view.capacity if view else 0})
+
+
+@router.get("/load")
+async def server_load(request: Request) -> Response:
+    """`vllm serve`'s load figure, for routers that pick the least loaded replica: the requests this
+    gateway follows now (the fleet's queue is `/fleet/load`)."""
+    return json_response({"server_load": request.app.state.fleet.router.open_requests})
 
 
 @router.get("/health")

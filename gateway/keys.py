@@ -69,11 +69,12 @@ class ApiKey:
     models: tuple[str, ...] = ()  # the models it may use; () for every model
     created: float = 0.0
     expires: float = 0.0
+    max_tokens: int = 0  # output tokens a request may ask for (below the gateway's --max-output-tokens)
 
     def to_fields(self) -> dict[str, str]:
         return {"name": self.name, "digest": self.digest, "priority": self.priority, "rpm": str(self.rpm),
                 "tpm": str(self.tpm), "max_parallel": str(self.max_parallel), "models": ",".join(self.models),
-                "created": repr(self.created), "expires": repr(self.expires)}
+                "created": repr(self.created), "expires": repr(self.expires), "max_tokens": str(self.max_tokens)}
 
     @classmethod
     def from_fields(cls, fields: dict[bytes, bytes]) -> ApiKey:
@@ -84,12 +85,13 @@ class ApiKey:
                    rpm=int(text.get("rpm") or 0), tpm=int(text.get("tpm") or 0),
                    max_parallel=int(text.get("max_parallel") or 0),
                    models=tuple(m for m in text.get("models", "").split(",") if m),
-                   created=float(text.get("created") or 0), expires=float(text.get("expires") or 0))
+                   created=float(text.get("created") or 0), expires=float(text.get("expires") or 0),
+                   max_tokens=int(text.get("max_tokens") or 0))
 
     def public(self) -> dict[str, Any]:
         """What `llmfleet keys list` shows: everything but the digest."""
         return {"name": self.name, "priority": self.priority, "rpm": self.rpm, "tpm": self.tpm,
-                "max_parallel": self.max_parallel, "models": ",".join(self.models) or "*",
+                "max_parallel": self.max_parallel, "max_tokens": self.max_tokens, "models": ",".join(self.models) or "*",
                 "created": _iso(self.created), "expires": _iso(self.expires)}
 
 
@@ -258,7 +260,7 @@ class FrontDoor:
         return await self.cache.find(self.store, presented_digest)
 
     async def _serve(self, key: ApiKey, scope: Scope, receive: Receive, send: Send) -> None:
-        tenancy.set_current(Tenant(key.name, key.priority))
+        tenancy.set_current(Tenant(key.name, key.priority, key.max_tokens))
         use = KeyUse(key)
         token = _current.set(use)
 

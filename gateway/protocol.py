@@ -28,14 +28,24 @@ MAX_N = 128
 # of the prompts' n choices.
 MAX_PROMPTS = int(os.environ.get("VLLM_MAX_COMPLETION_PROMPTS", "1024"))
 MAX_LOGIT_BIAS_ENTRIES = 1024
+DEFAULT_MAX_TOKENS = 16  # of a completion that sets none, as vLLM has it
 
 
 class FieldRuleError(ValueError):
-    """A schema rule broken by a request; `param` names the field, as vLLM does."""
+    """A schema rule broken by a request; `param` names the field, as vLLM does. A rule of OpenAI's
+    that vLLM does not check answers in OpenAI's words: `err_type` invalid_request_error, no code."""
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, *, err_type: str = "BadRequestError",
+                 code: str | int | None = 400):
         super().__init__(message)
         self.param = param
+        self.err_type = err_type
+        self.code = code
+
+
+def openai_rule(message: str, param: str) -> FieldRuleError:
+    """A rule the OpenAI API checks and `vllm serve` does not (docs/compatibility.md)."""
+    return FieldRuleError(message, param, err_type="invalid_request_error", code=None)
 
 
 class OpenAIModel(BaseModel):
@@ -127,6 +137,7 @@ class GenerationRequest(OpenAIModel):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    use_beam_search: bool = False  # vLLM's: n beams, greedy or not (its sampling checks do not apply)
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
     user: str | None = None
@@ -198,6 +209,22 @@ class ChatCompletionRequest(GenerationRequest):
     discard_thinking: bool = True
 
     @model_validator(mode="after")
+    def _roles(self) -> ChatCompletionRequest:
+        """The OpenAI API's rules of each role, which `vllm serve` leaves to the chat template."""
+        for i, message in enumerate(self.messages):
+            if message.role == "tool" and not message.tool_call_id:
+                raise openai_rule("Missing parameter 'tool_call_id': messages with role 'tool' must have a "
+                                  "'tool_call_id'.", f"messages[{i}].tool_call_id")
+            if message.tool_calls is not None and message.role != "assistant":
+                raise openai_rule(f"Invalid parameter: 'tool_calls' is only allowed on messages with role "
+                                  f"'assistant', not '{message.role}'.", f"messages[{i}].tool_calls")
+            if message.role == "assistant" and message.content is None and not message.tool_calls \
+                    and getattr(message, "function_call", None) is None:
+                raise openai_rule("Invalid parameter: messages with role 'assistant' must have either 'content' or "
+                                  "'tool_calls'.", f"messages[{i}].content")
+        return self
+
+    @model_validator(mode="after")
     def _chat_rules(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and (self.top_logprobs < -1):
             raise FieldRuleError("`top_logprobs` must be a positive value or -1.", param="top_logprobs")
@@ -228,7 +255,7 @@ class CompletionRequest(GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]] | None = None
     echo: bool = False
     logprobs: int | None = None
-    max_tokens: int | None = 16
+    max_tokens: int | None = DEFAULT_MAX_TOKENS
     suffix: str | None = None
 
     @field_validator("prompt")
@@ -255,7 +282,7 @@ class CompletionRequest(GenerationRequest):
             raise FieldRuleError("suffix is only supported for models with FIM completion rendering",
                                  param="suffix")
         if self.max_tokens is None:
-            self.max_tokens = 16
+            self.max_tokens = DEFAULT_MAX_TOKENS
         return self
 
 
@@ -267,12 +294,36 @@ def prompts_of(prompt: str | list) -> list:
     return [prompt]
 
 
-def check_sampling(options: SamplingOptions, max_model_len: int, max_tokens_field: str = "max_tokens") -> None:
+def cap_output(params: SamplingOptions, ceiling: int, field: str, max_model_len: int, *, given: bool,
+               default: int | None = None) -> int | None:
+    """Hold a request to the operator's ceiling on output tokens (`ceiling`, 0 for none): above
+    it, a 400 naming the ceiling; when the client gave no limit (`given` False), the ceiling, or
+    the engine's `default` (completions: 16), or the context, whichever is smallest (vLLM then
+    takes the room left in the context if that is less). Returns the max_tokens the engine must
+    be sent when the client gave none, else None."""
+    if not ceiling:
+        return None
+    if given:
+        if params.max_tokens is not None and params.max_tokens > ceiling:
+            raise InvalidRequest(f"{field}={params.max_tokens} is more than this deployment allows: at most {ceiling} "
+                                 "output tokens per request. Please request fewer output tokens.", param=field,
+                                 code="max_tokens_above_limit")
+        return None
+    params.max_tokens = min(ceiling, default or max_model_len, max_model_len)
+    return params.max_tokens
+
+
+def check_sampling(options: SamplingOptions, max_model_len: int, max_tokens_field: str = "max_tokens", *,
+                   beam_search: bool = False) -> None:
     """vLLM's sampling-parameter checks, with its messages and params (SamplingParams._verify_args).
 
-    `max_tokens_field` names the field the client used for the output limit.
+    `max_tokens_field` names the field the client used for the output limit. A beam search
+    (`use_beam_search`) is held to the checks vLLM runs on it: the beam count and the output limit.
     """
     o = options
+    if beam_search:
+        _check(_beam_rules(o, max_model_len, max_tokens_field))
+        return
     rules: list[tuple[bool, str, str | None]] = [
         (o.n < 1, f"n must be at least 1, got {o.n}.", None),
         (o.n > MAX_N, f"n must be at most {MAX_N}, got {o.n}.", "n"),
@@ -306,15 +357,29 @@ def check_sampling(options: SamplingOptions, max_model_len: int, max_tokens_fiel
         (o.n > 1 and o.temperature is not None and o.temperature < 1e-5,
          f"n must be 1 when using greedy sampling, got {o.n}.", None),
     ]
-    for broken, message, param in rules:
-        if broken:
-            raise InvalidRequest(message, param=param)
+    _check(rules)
     for key in o.logit_bias or ():
         try:
             int(key)
         except ValueError:
             raise InvalidRequest(f"logit_bias contains key(s) that cannot be converted to integer token IDs: "
                                  f"[{key!r}]", param="logit_bias") from None
+
+
+def _beam_rules(o: SamplingOptions, max_model_len: int, max_tokens_field: str) -> list[tuple[bool, str, str | None]]:
+    return [
+        (o.n < 1, f"beam_width must be at least 1, got {o.n}.", None),
+        (o.n > MAX_N, f"beam_width must be at most {MAX_N}, got {o.n}.", "n"),
+        (o.max_tokens is not None and o.max_tokens > max_model_len,
+         (f"{max_tokens_field}={o.max_tokens} cannot be greater than max_model_len={max_model_len}. "
+          "Please request fewer output tokens."), max_tokens_field),
+    ]
+
+
+def _check(rules: list[tuple[bool, str, str | None]]) -> None:
+    for broken, message, param in rules:
+        if broken:
+            raise InvalidRequest(message, param=param)
 
 
 class TokenizerRequest(OpenAIModel):
@@ -324,17 +389,23 @@ class TokenizerRequest(OpenAIModel):
 
 
 class CancelRequest(OpenAIModel):
-    """POST /v1/cancel: by the runs' `cancel_id` (exclusive), or by the response `id` a client saw,
-    of any family."""
+    """POST /v1/cancel: by the runs' `cancel_id`, by a session's `session_id` (whatever it runs or
+    has queued), or by the response `id` a client saw, of any family; one of the three. Each names
+    the caller's own runs only."""
 
     cancel_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    session_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
 
     @model_validator(mode="after")
     def _one_target(self) -> CancelRequest:
-        if self.cancel_id is None and self.id is None:
-            raise FieldRuleError("give `cancel_id` or `id`: an empty cancel never cancels everything",
+        given = [name for name in ("cancel_id", "session_id", "id") if getattr(self, name) is not None]
+        if not given:
+            raise FieldRuleError("give `cancel_id`, `session_id` or `id`: an empty cancel never cancels everything",
                                  param="cancel_id")
+        if len(given) > 1:
+            raise FieldRuleError(f"give one of `cancel_id`, `session_id` and `id`, not {' and '.join(given)}",
+                                 param=given[1])
         return self
 
     @property

@@ -8,10 +8,13 @@ so a request the worker rejects (prompt too long, bad token ids) is a plain 4xx,
 `vllm serve`. After the first byte, an error is a `data: {"error": ...}` event then
 `data: [DONE]`.
 
-Every SSE event of every family carries `id: <n>`, its 0-based position in the response (the
-end marker included), given here by `EventWriter` and nowhere else: a client that lost its
-connection names the last id it read, and a resumable stream (`gateway.streams`) replays the
-events after it.
+A stream's bytes are by default exactly those `vllm serve` sends (`data: {...}` frames, no `id:`
+lines), since clients that read SSE line by line (`vllm bench serve`) take an `id:` line for part
+of the data. A resumable stream (`gateway.streams`) gives every event `id: <n>`, its 0-based
+position in the response (the end marker included), given by `EventWriter` and nowhere else: a
+client that lost its connection names the last id it read, and the events after it are replayed.
+`--sse-event-ids` gives every stream ids. Every stream is sent with `Cache-Control: no-cache`
+and `X-Accel-Buffering: no`, so that no proxy caches or buffers it.
 
 Cancellation: a streaming response (`SSEResponse`) is cancelled when the client disconnects; a
 non-streaming one races the generation against the client's `http.disconnect`. Either way the
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -44,6 +48,8 @@ from shared.errors import FleetError, error_from_info
 from shared.logs import REQUEST_ID
 
 SSE_DONE = b"data: [DONE]\n\n"
+# Of every SSE answer: no cache may keep it, and nginx must pass each event on as it comes.
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def sse(event: dict[str, Any]) -> bytes:
@@ -127,9 +133,12 @@ class Formatter:
         raise NotImplementedError
 
     def encode(self, event: dict[str, Any]) -> bytes:
-        """One SSE event on the wire."""
+        """One SSE event on the wire, as `vllm serve` writes it: compact JSON, but for an error in
+        an OpenAI stream, which vLLM writes with `json.dumps` (spaces after separators)."""
         if self.named_events:
             return b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
+        if "error" in event:
+            return b"data: " + json.dumps(event).encode() + b"\n\n"
         return sse(event)
 
     def error_response(self, error: FleetError) -> Response:
@@ -195,15 +204,17 @@ class Formatter:
 def request_timings(terminal: GenerationChunk, arrival: float) -> dict[str, float | None]:
     """One request's stage times, seconds: queue (arrival to a worker's claim), prefill (to the
     first token), decode (first token to last), relay (the worker's end to this gateway), total
-    (arrival to now), and completion tokens per second of decode. Worker and gateway clocks
-    meet in `relay`, which is only as right as they agree."""
+    (arrival to now), time to first token (arrival to the engine's first token), and completion
+    tokens per second of decode. Worker and gateway clocks meet in `relay` and `ttft`, which are
+    only as right as they agree."""
     now = time.time()
     worker = terminal.timings or {}
     decode = worker.get("decode_s")
     tokens = terminal.usage.completion_tokens if terminal.usage is not None else 0
-    finished_at = worker.get("finished_at")
+    finished_at, first_token_at = worker.get("finished_at"), worker.get("first_token_at")
     return {"queue_s": worker.get("queue_s"), "prefill_s": worker.get("prefill_s"), "decode_s": decode,
             "relay_s": max(0.0, now - finished_at) if finished_at else None, "total_s": now - arrival,
+            "ttft_s": max(0.0, first_token_at - arrival) if first_token_at else None,
             "completion_tokens_per_s": tokens / decode if decode else None}
 
 
@@ -222,10 +233,11 @@ async def serve_body(body: Any, request: Request, fleet: Fleet, envelope: Reques
 
 
 def generation_route(router: APIRouter, path: str, body_model: type, prepare: Prepare,
-                     serve: Serve = serve_body) -> None:
+                     serve: Serve = serve_body) -> Callable[[Any, Request], Awaitable[Response]]:
     """Add `POST path`, the route every generation family shares: validate the body as
     `body_model`, resolve its model, let the family `prepare` the envelope and formatter, serve.
-    A family differs in its request model, its `prepare` and its `serve` only, never in a copied route."""
+    A family differs in its request model, its `prepare` and its `serve` only, never in a copied route.
+    Returns the route's handler, for routes that dispatch to it (`/invocations`)."""
     async def create(body, request: Request) -> Response:
         fleet = request.app.state.fleet
         view = await fleet.registry.resolve(body.model)
@@ -238,6 +250,7 @@ def generation_route(router: APIRouter, path: str, body_model: type, prepare: Pr
                                                                                        annotation=Request)],
         return_annotation=Response)
     router.add_api_route(path, create, methods=["POST"], name=f"create {body_model.__name__}")
+    return create
 
 
 async def request_json(request: Request) -> dict[str, Any]:
@@ -245,11 +258,18 @@ async def request_json(request: Request) -> dict[str, Any]:
     return orjson.loads(await request.body())
 
 
+def output_ceiling(settings: GatewaySettings) -> int:
+    """The most output tokens the request being served may ask for: the gateway's ceiling, or its
+    key's if lower (0: none)."""
+    ceilings = [c for c in (settings.max_output_tokens, tenancy.current().max_tokens) if c > 0]
+    return min(ceilings, default=0)
+
+
 def new_envelope(raw: dict[str, Any], kind: str, model: str, settings: GatewaySettings, *,
                  body: GenerationRequest | None = None, params: SamplingOptions | None = None) -> RequestEnvelope:
     """The envelope of a validated request (`body`: its parsed form), with the gateway's deadlines."""
     now = time.time()
-    accounting.note(model=model, arrival=now)
+    accounting.note(model=model, arrival=now, tenant=tenancy.current().name)
     timeout = settings.request_timeout_s
     if body is not None and body.timeout:
         timeout = min(body.timeout, timeout)
@@ -317,7 +337,7 @@ class EventWriter:
 
     def __init__(self, formatter: Formatter, ids: bool = True):
         self.formatter = formatter
-        self.ids = ids  # off (--no-sse-event-ids): frames as `vllm serve` writes them, not resumable
+        self.ids = ids  # off (the default, but for resumable streams): frames as `vllm serve` writes them
         self.next_id = 0
         self.terminal: GenerationChunk | None = None  # set by `stream_frames` when it comes
         # What ended a stream after its first byte (a timeout, a lost worker): set by
@@ -454,7 +474,7 @@ class SSEResponse(StreamingResponse):
     media_type = "text/event-stream"
 
     def __init__(self, parts: AsyncIterator[bytes]):
-        super().__init__(parts)
+        super().__init__(parts, headers=SSE_HEADERS)
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -506,9 +526,18 @@ async def _sse_body(owner: AsyncExitStack, run: Run, envelope: RequestEnvelope, 
             finish_run(run, envelope, writer.formatter, started, error)
 
 
+def time_to_first_token(chunk: GenerationChunk, arrival: float) -> float | None:
+    """Seconds from the gateway's arrival to the first token, if `chunk` is the first with one: as
+    relayed, for a stream; when the engine produced it, for a whole answer (its terminal chunk comes
+    at the end, and the worker says when the first token came; the two clocks meet here)."""
+    if not chunk.first_token:
+        return None
+    first_token_at = (chunk.timings or {}).get("first_token_at") if chunk.done else None
+    return max(0.0, (first_token_at or time.time()) - arrival)
+
+
 def record_first_token(chunk: GenerationChunk, envelope: RequestEnvelope) -> None:
-    if chunk.first_token:
-        ttft = max(0.0, time.time() - envelope.arrival)
+    if (ttft := time_to_first_token(chunk, envelope.arrival)) is not None:
         metrics.TIME_TO_FIRST_TOKEN.labels(envelope.model).observe(ttft)
         accounting.note(ttft_s=ttft)
 
@@ -517,7 +546,7 @@ def _count_tokens(chunk: GenerationChunk, envelope: RequestEnvelope) -> None:
     if chunk.done and chunk.usage is not None:
         metrics.RELAYED_TOKENS.labels(envelope.model).inc(chunk.usage.completion_tokens)
         accounting.note(prompt_tokens=chunk.usage.prompt_tokens, completion_tokens=chunk.usage.completion_tokens,
-                        worker_timings=chunk.timings)
+                        worker_timings=chunk.timings, finish_reason=chunk.finish_reason)
 
 
 def finish_run(run: Run, envelope: RequestEnvelope, formatter: Formatter, started: float,

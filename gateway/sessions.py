@@ -424,6 +424,7 @@ async def serve_chat(body: Any, request: Request, fleet: Fleet, envelope: Reques
     turn = await session_store(fleet).begin_turn(body.session_id, envelope, envelope.body["messages"],
                                                  body.discard_thinking)
     envelope.body["messages"] = turn.prompt()
+    envelope.session_id = body.session_id  # a cancel by session_id stops the turn
     if body.resumable:  # the run outlives its client: its own end stores the turn
         async def store_turn(_terminal: GenerationChunk | None, _error: FleetError | None) -> None:
             await turn.end(formatter.turn if formatter.turn.seen else None)  # refused: only released

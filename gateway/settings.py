@@ -58,10 +58,17 @@ class GatewaySettings:
                                  "with its limits and priority.")
     open_paths: tuple[str, ...] = setting(("/health", "/ready", "/metrics", "/fleet/load"), "Comma-separated paths "
                                           "answered without a key.")
+    max_output_tokens: int = setting(0, "The most output tokens a request may ask for (max_tokens and its kin): "
+                                     "above it a 400; a request that asks for none gets it (or the room left in the "
+                                     "context, if less). 0: no ceiling but the context. A key's --max-tokens may "
+                                     "lower it.")
     rate_window_s: float = setting(60.0, "Seconds over which a key's --rpm and --tpm limits count.")
-    sse_event_ids: bool = setting(True, "Give every SSE event an `id:` line (its index), as resuming needs. Off: "
-                                  "frames exactly as `vllm serve` writes them, for clients that read SSE naively "
-                                  "(`vllm bench serve`); resumable requests keep their ids.")
+    sse_event_ids: bool = setting(False, "Give every SSE event an `id:` line (its index). Off: streams are framed "
+                                  "exactly as `vllm serve` frames them (clients that read SSE line by line, such as "
+                                  "`vllm bench serve`, need that), and only resumable streams carry ids.")
+    enable_log_requests: bool = setting(False, "Log one line per generation request at its end (ids, tenant, model, "
+                                        "tokens, stage times, outcome) on `llmfleet.requests`, as vllm serve's "
+                                        "option of that name.")
     gateway_id: str = ""
 
     def __post_init__(self) -> None:

@@ -17,11 +17,14 @@ Invariants:
   read finds every later event.
 - The log is one Redis stream per response (`keys.event_log_key`): an opening entry `0-1`
   written before `run_detached` returns (so a follower never sees a 404 for a run that
-  exists), event n at entry id `1-n`, and an end entry `2-0` once the run ended, however it
+  exists), which names the tenant the response is for, event n at entry id `1-n`, and an end entry `2-0` once the run ended, however it
   ended. Every write sets the key's TTL: the run's deadline plus the keep time while it runs,
   the keep time (`event_log_keep_s`) after its end; MAXLEN ~EVENT_LOG_MAXLEN bounds its size.
 - A detached run is owned by its task: it closes its run (cancelling it if it has not ended),
   ends the log and calls `on_terminal` on every path. `Fleet.stop` cancels those left, bounded.
+
+- Only the tenant that made a response reads its events: `follow` checks the opening entry's
+  tenant, and another tenant's id reads as unknown (a 404), as sessions and stored responses do.
 
 Requests that are not resumable never come here: no Redis write per event for them.
 """
@@ -39,9 +42,10 @@ from fastapi import APIRouter, Request
 from redis.exceptions import RedisError
 from starlette.responses import Response, StreamingResponse
 
-from gateway import metrics
+from gateway import metrics, tenancy
 from gateway.fleet import DEADLINE_GRACE_S, Fleet, Run
 from gateway.serving import (
+    SSE_HEADERS,
     ClientDisconnected,
     EventWriter,
     Formatter,
@@ -62,6 +66,7 @@ router = APIRouter()
 OPEN_ID = "0-1"
 END_ID = "2-0"
 FRAME_FIELD = b"e"
+TENANT_FIELD = b"tenant"  # of the opening entry
 READ_BATCH = 1000  # log entries per read
 FOLLOW_BLOCK_MS = 1000  # a follower on another replica wakes at least this often (reader mark, expiry)
 READER_CHECK_S = 1.0  # how often a resumable run with no local reader looks for one elsewhere
@@ -84,10 +89,10 @@ class EventLog:
         self.redis = redis
         self.key = keys.event_log_key(response_id)
 
-    async def open(self, ttl_s: int) -> None:
-        """Create the log (its opening entry), before any event is appended."""
-        await self.redis.pipeline(transaction=False).xadd(self.key, {b"open": b""}, id=OPEN_ID) \
-            .expire(self.key, ttl_s).execute()
+    async def open(self, tenant: str, ttl_s: int) -> None:
+        """Create the log (its opening entry, naming its tenant), before any event is appended."""
+        await self.redis.pipeline(transaction=False).xadd(self.key, {b"open": b"", TENANT_FIELD: tenant},
+                                                          id=OPEN_ID).expire(self.key, ttl_s).execute()
 
     async def append(self, first_id: int, frames: list[bytes], ttl_s: int) -> None:
         """Add the frames of events `first_id`, `first_id + 1`...: one round trip."""
@@ -104,6 +109,11 @@ class EventLog:
 
     async def exists(self) -> bool:
         return bool(await self.redis.exists(self.key))
+
+    async def tenant(self) -> str | None:
+        """The tenant the response is for, None when no log is kept."""
+        opening = await self.redis.xrange(self.key, OPEN_ID, OPEN_ID)
+        return opening[0][1].get(TENANT_FIELD, b"").decode() if opening else None
 
     async def read(self, after: int, block_ms: int | None = None) -> tuple[list[tuple[int, bytes]], bool]:
         """The events with an id above `after` (-1: all), up to READ_BATCH of them, and whether
@@ -165,7 +175,7 @@ class DetachedRun:
             run = await owner.enter_async_context(self.fleet.submit(self.envelope))
             if self.log is not None:
                 try:
-                    await self.log.open(self._ttl_while_running())
+                    await self.log.open(self.envelope.tenant, self._ttl_while_running())
                 except (RedisError, OSError) as exc:  # nobody could read it
                     raise ServiceUnavailable("The request queue is unreachable; try again shortly.") from exc
             self.fleet.detached[self.response_id] = self
@@ -306,15 +316,16 @@ async def run_detached(fleet: Fleet, envelope: RequestEnvelope, formatter: Forma
     await DetachedRun(fleet, envelope, formatter, on_terminal=on_terminal).start()
 
 
-async def follow(fleet: Fleet, response_id: str, after: int | None) -> AsyncIterator[bytes]:
-    """The encoded events of `response_id` with an id above `after` (all if None), then the live
-    ones as they are appended, until the end of the log. Await it, then iterate:
+async def follow(fleet: Fleet, response_id: str, after: int | None, tenant: str) -> AsyncIterator[bytes]:
+    """The encoded events of `tenant`'s response `response_id` with an id above `after` (all if
+    None), then the live ones as they are appended, until the end of the log. Await it, then iterate:
 
-        events = await follow(fleet, response_id, after)   # NotFound (404) before the first byte
+        events = await follow(fleet, response_id, after, tenant)   # NotFound (404) before the first byte
         return StreamingResponse(events, media_type="text/event-stream")
 
-    Raises NotFound if no log exists for that id (never kept, expired, or not streamed), or if
-    the events after `after` are no longer all kept (the log's MAXLEN). Works on any replica: a
+    Raises NotFound if no log of that tenant exists for that id (never kept, expired, not
+    streamed, or another tenant's), or if the events after `after` are no longer all kept (the log's
+    MAXLEN). Works on any replica: a
     run relayed by this process is followed from memory after the replay, one elsewhere from Redis.
     """
     after = -1 if after is None else after
@@ -322,7 +333,7 @@ async def follow(fleet: Fleet, response_id: str, after: int | None) -> AsyncIter
     local = fleet.detached.get(response_id)
     listener = local.listen() if local is not None else None  # before the replay: nothing falls between
     try:
-        if not await events.exists():
+        if await events.tenant() != tenant:
             raise NotFound(f"No events are kept for the stream `{response_id}`: it is unknown, was not "
                            "streamed, or ended too long ago.", param="response_id")
         batch, ended = await events.read(after)
@@ -397,7 +408,8 @@ async def serve_resumable(request: Request, fleet: Fleet, envelope: RequestEnvel
     if first is None:
         return formatter.error_response(ServiceUnavailable("This gateway stopped before the response began; "
                                                            "retry the request."))
-    return StreamingResponse(_relay_to_client(run, listener, first), media_type="text/event-stream")
+    return StreamingResponse(_relay_to_client(run, listener, first), media_type="text/event-stream",
+                             headers=SSE_HEADERS)
 
 
 async def _relay_to_client(run: DetachedRun, listener: asyncio.Queue[Frames | None],
@@ -414,8 +426,8 @@ async def _relay_to_client(run: DetachedRun, listener: asyncio.Queue[Frames | No
 @router.get("/v1/streams/{response_id}")
 async def resume_stream(response_id: str, request: Request) -> Response:
     """Replay a resumable stream's events after `Last-Event-ID` (all without it), then follow it."""
-    events = await follow(request.app.state.fleet, response_id, _last_event_id(request))
-    return StreamingResponse(events, media_type="text/event-stream")
+    events = await follow(request.app.state.fleet, response_id, _last_event_id(request), tenancy.current().name)
+    return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 def _last_event_id(request: Request) -> int | None:

@@ -18,6 +18,7 @@ PRIORITIES: tuple[Priority, ...] = ("high", "normal", "low")  # served in this o
 class Tenant:
     name: str = ""  # the key's name; "" when keys are off (one anonymous tenant)
     priority: Priority = "normal"
+    max_tokens: int = 0  # the key's ceiling on a request's output tokens (0: none but the gateway's)
 
 
 ANONYMOUS = Tenant()

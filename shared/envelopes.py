@@ -122,6 +122,22 @@ class RequestEnvelope:
     # priority, "high", "normal" or "low"; a tenant's request waits in its queue (shared.fair_queue).
     tenant: str = ""
     priority: str = "normal"
+    session_id: str = ""  # the session (gateway.sessions) whose turn this is; a cancel by it stops the turn
+
+    @property
+    def prompts(self) -> list:
+        """The prompts of a completion: a string or a list of token ids is one prompt; a list of
+        strings or of token id lists is one prompt each (vLLM's reading). Other kinds have one."""
+        prompt = self.body.get("prompt") if self.kind == "completion" else None
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            return prompt
+        return [prompt]
+
+    @property
+    def choice_count(self) -> int:
+        """The choices of the answer: n for each prompt. Choice `c` of prompt `p` has index
+        p * n + c, as on `vllm serve`."""
+        return self.params.n * len(self.prompts)
 
     def to_wire(self) -> dict[str, Any]:
         out = _compact(self)
@@ -164,6 +180,7 @@ class Usage:
     completion_tokens: int = 0
     reasoning_tokens: int | None = None
     cached_tokens: int | None = None  # prompt tokens found in the engine's prefix cache, when it reports them
+    created_cache_tokens: int | None = None  # prompt tokens written to the engine's cache, when it reports them
 
 
 @dataclass(slots=True)
@@ -178,6 +195,8 @@ class Candidate:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     prompt_logprobs: list[Any] | None = None  # completions with echo and logprobs, as vLLM gives them
+    token_ids: list[int] | None = None  # the choice's tokens, when the client asked (`return_token_ids`)
+    prompt_token_ids: list[int] | None = None  # a completion choice's prompt, when the client asked
 
 
 @dataclass(slots=True)
@@ -205,10 +224,18 @@ class GenerationChunk:
     token_count: int = 0  # generated tokens this delta stands for
     system_fingerprint: str | None = None  # the engine's, on finishing chunks
     result: dict[str, Any] | None = None  # terminal only: a whole response that is not a generation (tokenize)
-    prompt_token_ids: list[int] | None = None  # on the first delta, where the engine's server sends them (echo)
-    # Terminal only: the worker's stage times, seconds (queue_s, prefill_s, decode_s) and when it
-    # finished (finished_at, wall clock), for the gateway's per-request timings.
+    # The prompt's token ids where the engine's server sends them (`return_token_ids`, echo): on a
+    # choice's first delta; on the terminal chunk of a whole chat answer.
+    prompt_token_ids: list[int] | None = None
+    # Terminal only: the worker's stage times, seconds (queue_s, prefill_s, decode_s), when the
+    # engine produced the first token and when it finished (first_token_at, finished_at: wall
+    # clock), for the gateway's per-request timings and its time to first token.
     timings: dict[str, float] | None = None
+    # Wall clock of the engine's first token, when it came before this chunk: set by an adapter
+    # whose engine builds whole responses (one chunk for the whole answer). 0: when the chunk came.
+    first_token_at: float = 0.0
+    token_ids: list[int] | None = None  # this delta's tokens, when the client asked (`return_token_ids`)
+    prompt_logprobs: list[Any] | None = None  # terminal of a whole chat answer: the prompt's logprobs, if asked
 
     @property
     def is_delta_only(self) -> bool:
@@ -219,7 +246,8 @@ class GenerationChunk:
         """True when `other`, the next delta of the same choice, reads as part of this one."""
         return (self.is_delta_only and other.is_delta_only and self.choice_index == other.choice_index
                 and (self.text is None) == (other.text is None) and bool(self.reasoning) == bool(other.reasoning)
-                and type(self.logprobs) is type(other.logprobs))
+                and type(self.logprobs) is type(other.logprobs) and type(self.token_ids) is type(other.token_ids)
+                and other.prompt_token_ids is None)
 
     def absorb(self, other: GenerationChunk) -> None:
         """Append the next delta (see `can_absorb`) to this one."""
@@ -227,6 +255,8 @@ class GenerationChunk:
             self.text += other.text
         self.reasoning += other.reasoning
         self.token_count += other.token_count
+        if self.token_ids is not None:
+            self.token_ids.extend(other.token_ids)
         if isinstance(self.logprobs, list):
             self.logprobs.extend(other.logprobs)
         elif isinstance(self.logprobs, dict):

@@ -36,17 +36,20 @@ part of the name. `<...>` is a placeholder.
 | llmfleet:worker:{workers}:<worker_id>| string  | TTL HEARTBEAT_TTL_S; one tag for all, so |
 |                                      |         | a gateway reads them with one MGET       |
 | llmfleet:run:{<request_id>}          | string  | TTL: the request's deadline (its gateway)|
+|                                      |         | ; its tenant, checked by a cancel by id  |
 | llmfleet:cancelled:{<request_id>}    | string  | TTL CANCEL_MEMORY_TTL_S; consumed by the |
 |                                      |         | worker that claims the request           |
 | llmfleet:lease:{<request_id>}        | string  | TTL LEASE_TTL_S, renewed by the worker   |
 |                                      |         | running the request                      |
 | llmfleet:streamed:{<request_id>}     | string  | TTL CANCEL_MEMORY_TTL_S; set with the    |
 |                                      |         | first published chunk                    |
-| llmfleet:cancel-id:{<cancel_id>}     | set     | TTL: the longest deadline of its runs;   |
+| llmfleet:cancel-id:{<group>}         | set     | TTL: the longest deadline of its runs;   |
 |                                      |         | the runs not finished, and a finished    |
-|                                      |         | mark                                     |
-| llmfleet:cancel-early:{<cancel_id>}  | string  | TTL CANCEL_MEMORY_TTL_S; consumed when   |
-|                                      |         | the run with that cancel_id registers    |
+|                                      |         | mark. A group is a tenant's cancel_id or |
+|                                      |         | session (`cancel_group`): one tenant's   |
+|                                      |         | cancel_id never names another's runs     |
+| llmfleet:cancel-early:{<group>}      | string  | TTL CANCEL_MEMORY_TTL_S; consumed when   |
+|                                      |         | a run of that group registers            |
 | llmfleet:cancel                      | pub/sub | no storage; in a cluster a PUBLISH       |
 |                                      |         | reaches the subscribers of every node    |
 | llmfleet:events:{<response_id>}      | stream  | MAXLEN ~EVENT_LOG_MAXLEN; TTL: the run's |
@@ -109,7 +112,7 @@ The keys that share a slot, and the operation that needs it:
   and a worker's one XREADGROUP of its own stream and its model's.
 - `{<request_id>}`: the worker's lease/cancel-stash/streamed check, and the one DEL of all three
   when the request ends.
-- `{<cancel_id>}`: the register, finish and cancel-by-id scripts (`gateway/cancel.py`).
+- `{<group>}`: the register, finish and cancel-by-group scripts (`gateway/cancel.py`).
 - `{workers}`: the registry's MGET of every heartbeat.
 - `{<name>}` (an API key's): the admission and settling scripts of its limits and usage
   (`gateway/ratelimit.py`).
@@ -223,12 +226,22 @@ def streamed_key(request_id: str) -> str:
     return f"{PREFIX}:streamed:{_tag(request_id)}"
 
 
-def cancel_id_key(cancel_id: str) -> str:
-    return f"{PREFIX}:cancel-id:{_tag(cancel_id)}"
+def cancel_group(tenant: str, *, cancel_id: str | None = None, session_id: str | None = None) -> str:
+    """The cancel group of a tenant's `cancel_id`, or of its session: the runs a cancel by that
+    name stops. A tenant's name holds no `/` (gateway/keys.py NAME), so no two tenants' groups, and
+    no cancel_id and session of one tenant, share a name."""
+    if cancel_id is not None:
+        return f"{tenant}/c/{cancel_id}"
+    assert session_id is not None
+    return f"{tenant}/s/{session_id}"
 
 
-def early_cancel_key(cancel_id: str) -> str:
-    return f"{PREFIX}:cancel-early:{_tag(cancel_id)}"
+def cancel_id_key(group: str) -> str:
+    return f"{PREFIX}:cancel-id:{_tag(group)}"
+
+
+def early_cancel_key(group: str) -> str:
+    return f"{PREFIX}:cancel-early:{_tag(group)}"
 
 
 def response_key(response_id: str) -> str:

@@ -14,6 +14,8 @@ M = SCRIPTED_MODEL
 USER = [{"role": "user", "content": "hi"}]
 BAD_REQUEST = (400, "Bad Request")  # types and required fields, as vLLM's pydantic layer answers them
 BAD_PARAM = (400, "BadRequestError")  # rules vLLM checks itself (request model, SamplingParams)
+OPENAI_RULE = (400, "invalid_request_error")  # rules of the OpenAI API that vLLM leaves to the chat template
+CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 
 CASES = [
     # (name, path, body (dict, or raw bytes), expected (status, type), expected param or None)
@@ -69,6 +71,14 @@ CASES = [
      "body.logprobs"),
     ("completion max_tokens beyond context", "completions", {"model": M, "prompt": "a", "max_tokens": 9999},
      BAD_PARAM, "max_tokens"),
+    ("tool message without tool_call_id", "chat", {"model": M, "messages": [
+        *USER, {"role": "assistant", "tool_calls": [CALL]}, {"role": "tool", "content": "sunny"}]}, OPENAI_RULE,
+     "messages[2].tool_call_id"),
+    ("assistant message with neither content nor tool_calls", "chat", {"model": M, "messages": [
+        *USER, {"role": "assistant"}, *USER]}, OPENAI_RULE, "messages[1].content"),
+    ("tool_calls on a user message", "chat", {"model": M, "messages": [{"role": "user", "content": "hi",
+                                                                       "tool_calls": [CALL]}]}, OPENAI_RULE,
+     "messages[0].tool_calls"),
 ]
 
 
@@ -86,7 +96,7 @@ def test_invalid_request(scripted_fleet, redis_client, name, path, body, expecte
     assert (response.status_code, response.json()["error"]["type"]) == expected, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
-    assert error["code"] == expected[0] and error["message"]
+    assert error["code"] == (None if expected == OPENAI_RULE else expected[0]) and error["message"]
     if param is not None:
         assert error["param"] == param
     assert metric_value(gateway.url, "llmfleet_gateway_submitted_total", model=M) == submitted_before

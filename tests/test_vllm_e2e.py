@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import subprocess
 
 import httpx
 import openai
@@ -215,3 +217,33 @@ def test_cancel_before_send_and_stale_cancel_on_vllm(client, vllm_stack):
                                            extra_body={"cancel_id": "later-v"})
     assert later.choices[0].finish_reason == "length"
     assert later.choices[0].message.content == done.choices[0].message.content
+
+
+def test_a_whole_answers_time_to_first_token_is_its_first_tokens(vllm_stack):
+    """A non-streamed answer arrives at its end; its timings still split at the engine's first token."""
+    answer = httpx.post(f"{vllm_stack.gateway.url}/v1/chat/completions", timeout=120, json={
+        "model": vllm_stack.model, "messages": MESSAGES, "max_tokens": 200, "ignore_eos": True, "temperature": 0,
+        "include_timings": True}).json()
+    timings = answer["timings"]
+    assert answer["usage"]["completion_tokens"] == 200
+    # The first of 200 tokens came well before the last: the whole answer's time is not its TTFT.
+    assert timings["decode_s"] > 0 and timings["ttft_s"] < timings["total_s"] - timings["decode_s"] / 2, timings
+
+
+@pytest.mark.parametrize("backend, endpoint", [("vllm", "/v1/completions"), ("openai-chat", "/v1/chat/completions")])
+def test_vllm_bench_serve_completes_every_request_against_a_default_gateway(vllm_stack, tmp_path, backend, endpoint):
+    """`vllm bench serve`, the field's standard client, reads a default gateway's streams as vllm serve's."""
+    from bench.engine_path import VENV_BIN, vllm_cli_env
+
+    prompts = 12
+    with vllm_cli_env() as env:
+        done = subprocess.run([
+            str(VENV_BIN / "vllm"), "bench", "serve", "--backend", backend, "--endpoint", endpoint,
+            "--base-url", vllm_stack.gateway.url, "--model", vllm_stack.model, "--tokenizer", vllm_stack.model_dir,
+            "--dataset-name", "random", "--random-input-len", "32", "--random-output-len", "16",
+            "--num-prompts", str(prompts), "--max-concurrency", "4", "--ignore-eos", "--seed", "0",
+            "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path), "--result-filename", "result.json"],
+            env={**os.environ, **env}, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["completed"] == prompts and result["total_output_tokens"] == prompts * 16, result

@@ -18,22 +18,6 @@ from collections.abc import AsyncIterator
 from shared.envelopes import GenerationChunk, RequestEnvelope
 
 
-def completion_prompts(request: RequestEnvelope) -> list:
-    """The prompts of a completion request: a string or a list of token ids is one prompt; a list of
-    strings or of token id lists is one prompt each (vLLM's reading)."""
-    prompt = request.body.get("prompt")
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        return prompt
-    return [prompt]
-
-
-def choice_count(request: RequestEnvelope) -> int:
-    """The choices of a request's answer: n, for each prompt of a completion. Choice `c` of prompt
-    `p` has index p * n + c, as on `vllm serve`."""
-    prompts = len(completion_prompts(request)) if request.kind == "completion" else 1
-    return request.params.n * prompts
-
-
 class GenerationAdapter(ABC):
     """An engine that turns a request envelope into a stream of generation chunks."""
 

@@ -36,13 +36,14 @@ from shared.logs import REQUEST_ID
 from shared.redis_batch import BatchedRedis
 from shared.stopping import pause, stop_tasks, within
 from worker import metrics
-from worker.adapter import GenerationAdapter, choice_count
+from worker.adapter import GenerationAdapter
 from worker.aggregate import collect_candidates
 from worker.cancels import CancelFollower
 from worker.leases import Leases
 from worker.publisher import ReplyPublisher
 
 log = logging.getLogger(__name__)
+request_log = logging.getLogger("llmfleet.requests")
 
 ABORT_GRACE_S = 2.0  # how long an aborted generation may take to yield its terminal chunk
 ENGINE_CHECK_S = 2.0  # how often the engine's health is checked
@@ -63,8 +64,9 @@ def new_worker_id() -> str:
 class RequestConsumer:
     def __init__(self, redis: aioredis.Redis, adapter: GenerationAdapter, max_concurrency: int,
                  worker_id: str | None = None, claim_idle_s: float = 3.0, kinds: tuple[str, ...] = (),
-                 steal_after_s: float = 0.01, express_slots: int = 0):
+                 steal_after_s: float = 0.01, express_slots: int = 0, log_requests: bool = False):
         self.redis = redis
+        self.log_requests = log_requests  # one info line per request at its end (`--enable-log-requests`)
         # The per-request commands (lease, dead letters) of every request go out in shared pipelines:
         # a claim of hundreds of requests is one round trip, not hundreds of connections.
         self.batched = BatchedRedis(redis)
@@ -446,10 +448,16 @@ class RequestConsumer:
             "llmfleet.model": self.model, "llmfleet.worker": self.worker_id, "llmfleet.request_id": request.request_id,
             "llmfleet.finish_reason": terminal.finish_reason,
             "llmfleet.completion_tokens": terminal.usage.completion_tokens if terminal.usage else None})
-        log.debug("request %s finished", request.request_id, extra={"fields": {
-            "finish_reason": terminal.finish_reason, "error": terminal.error.code if terminal.error else None,
-            "completion_tokens": terminal.usage.completion_tokens if terminal.usage else None,
-            "reclaimed": reclaimed or None}})
+        timings = terminal.timings
+        request_log.log(logging.INFO if self.log_requests else logging.DEBUG, "request %s %s", request.request_id,
+                        terminal.finish_reason, extra={"fields": {
+                            "request": request.request_id, "tenant": request.tenant, "model": self.model,
+                            "finish_reason": terminal.finish_reason,
+                            "error": terminal.error.code if terminal.error else None,
+                            "prompt_tokens": terminal.usage.prompt_tokens if terminal.usage else None,
+                            "completion_tokens": terminal.usage.completion_tokens if terminal.usage else None,
+                            "queue_s": timings.get("queue_s"), "prefill_s": timings.get("prefill_s"),
+                            "decode_s": timings.get("decode_s"), "reclaimed": reclaimed or None}})
         if terminal.usage is not None:
             metrics.GENERATED_TOKENS.labels(self.model).inc(terminal.usage.completion_tokens)
         self.completed += 1
@@ -498,7 +506,7 @@ class RequestConsumer:
                 delay, lambda: self._spawn(self.cancel(request.request_id, "deadline")))
         try:
             if not request.stream:
-                return await collect_candidates(chunks, choice_count(request))
+                return await collect_candidates(chunks, request.choice_count)
             async for chunk in chunks:
                 if chunk.done:
                     return chunk
@@ -527,8 +535,7 @@ class RequestConsumer:
             async for chunk in chunks:
                 state.tokens += chunk.token_count
                 if chunk.first_token:
-                    state.phase = "decode"
-                    state.first_token_at = time.monotonic()
+                    state.first_token(chunk.first_token_at)
                     metrics.PREFILL_TIME.labels(self.model).observe(state.first_token_at - state.started)
                 if chunk.done:
                     chunk.timings = state.timings(self.model)
@@ -630,10 +637,19 @@ class _Progress:
     phase: str = "prefill"
     tokens: int = 0
     started: float = field(default_factory=time.monotonic)
-    first_token_at: float = 0.0
+    first_token_at: float = 0.0  # monotonic
+    first_token_wall: float = 0.0
     tokens_at_cancel: int | None = None
     cancel_sent_at: float = 0.0
     reaborted: bool = False
+
+    def first_token(self, at: float) -> None:
+        """The engine's first token came now, or at wall-clock time `at` when the adapter knows it
+        came earlier (a whole response arrives as one chunk at its end)."""
+        self.phase = "decode"
+        wall = time.time()
+        self.first_token_wall = min(at, wall) if at else wall
+        self.first_token_at = time.monotonic() - (wall - self.first_token_wall)
 
     def timings(self, model: str) -> dict[str, float]:
         """Prefill and decode times at the end of a generation, also observed in the histograms."""
@@ -641,7 +657,8 @@ class _Progress:
         if not self.first_token_at:  # nothing generated: it all was prefill
             return {"prefill_s": now - self.started, "decode_s": 0.0}
         metrics.DECODE_TIME.labels(model).observe(now - self.first_token_at)
-        return {"prefill_s": self.first_token_at - self.started, "decode_s": now - self.first_token_at}
+        return {"prefill_s": self.first_token_at - self.started, "decode_s": now - self.first_token_at,
+                "first_token_at": self.first_token_wall}
 
 
 def _entries(triples) -> list[tuple]:
@@ -652,7 +669,7 @@ def _entries(triples) -> list[tuple]:
 
 def _cancelled_terminal(request: RequestEnvelope) -> GenerationChunk:
     candidates = None if request.stream else [Candidate(i, finish_reason="cancelled")
-                                              for i in range(choice_count(request))]
+                                              for i in range(request.choice_count)]
     return GenerationChunk(done=True, finish_reason="cancelled", usage=Usage(), candidates=candidates)
 
 

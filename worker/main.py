@@ -28,7 +28,7 @@ REDIS_CLOSE_S = 2.0
 
 async def serve(adapter: GenerationAdapter, redis_url: str, max_concurrency: int, metrics_port: int = 0,
                 claim_idle_s: float = 3.0, kinds: tuple[str, ...] = (), steal_after_s: float = 0.01,
-                express_slots: int = 0) -> None:
+                express_slots: int = 0, log_requests: bool = False) -> None:
     await adapter.start()
     if tracing.setup("llmfleet-worker"):
         log.info("tracing on (OpenTelemetry)")
@@ -39,7 +39,7 @@ async def serve(adapter: GenerationAdapter, redis_url: str, max_concurrency: int
     redis = redis_pool.connect(redis_url, max_connections=REDIS_CONNECTIONS, wait_s=REDIS_POOL_WAIT_S,
                                client_name=worker_id)
     consumer = RequestConsumer(redis, adapter, max_concurrency, worker_id, claim_idle_s=claim_idle_s, kinds=kinds,
-                               steal_after_s=steal_after_s, express_slots=express_slots)
+                               steal_after_s=steal_after_s, express_slots=express_slots, log_requests=log_requests)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, consumer.stop)

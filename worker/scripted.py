@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator
 
 from shared.envelopes import GenerationChunk, RequestEnvelope, Usage
 from shared.errors import InvalidRequest
-from worker.adapter import GenerationAdapter, completion_prompts
+from worker.adapter import GenerationAdapter
 
 DEFAULT_MAX_TOKENS = 16
 BLOCK_TOKENS = 16  # vLLM's default block size
@@ -65,7 +65,7 @@ def every_prompt_word(request: RequestEnvelope) -> list[str]:
     """Every word of the prompt, in order: of every message for chat, of every prompt for completion."""
     if request.kind == "chat":
         return [word for m in request.body.get("messages") or () for word in _message_text(m).split()]
-    return [word for prompt in completion_prompts(request) for word in _prompt_words(prompt)[0]]
+    return [word for prompt in request.prompts for word in _prompt_words(prompt)[0]]
 
 
 def script_words(request: RequestEnvelope) -> list[tuple[list[str], int]]:
@@ -77,7 +77,7 @@ def script_words(request: RequestEnvelope) -> list[tuple[list[str], int]]:
         words = (user_texts[-1] if user_texts else "").split()
         prompt_tokens = sum(len(t.split()) for t in texts)
         return [(words or ["ok"], prompt_tokens)]
-    return [_prompt_words(prompt) for prompt in completion_prompts(request)]
+    return [_prompt_words(prompt) for prompt in request.prompts]
 
 
 def _prompt_words(prompt: str | list[int] | None) -> tuple[list[str], int]:

@@ -13,6 +13,10 @@ reasons, usage. The gateway turns them back into the same JSON. The handler is a
 continuous usage, which gives the token count of every delta; what the client sees follows its
 own `stream_options`, applied by the gateway.
 
+Time to first token: a whole (non-streaming) response comes as one chunk at its end, so the
+engine the handlers see (`_ClockedEngine`) notes when its first output carrying a token came, and
+the answer's chunk says so (`GenerationChunk.first_token_at`).
+
 Cancellation: closing the iterator closes vLLM's generator, which aborts the engine request;
 `abort()` aborts it explicitly, after which the engine's final "abort" output ends the stream
 with a "cancelled" terminal chunk.
@@ -21,6 +25,8 @@ with a "cancelled" terminal chunk.
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -45,8 +51,42 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from shared.envelopes import KINDS, Candidate, GenerationChunk, RequestEnvelope, ToolCallDelta, Usage
 from shared.errors import ErrorInfo, FleetError
-from worker.adapter import GenerationAdapter, completion_prompts
+from worker.adapter import GenerationAdapter
 from worker.media import check_media_urls
+
+class _FirstToken:
+    """When the engine's first output carrying a token came (wall clock; 0: not yet)."""
+
+    __slots__ = ("at",)
+
+    def __init__(self) -> None:
+        self.at = 0.0
+
+
+# The clock of the request being handled in this context (each request runs in a task of its own).
+_FIRST_TOKEN: contextvars.ContextVar[_FirstToken | None] = contextvars.ContextVar("llmfleet_first_token",
+                                                                                   default=None)
+
+
+class _ClockedEngine:
+    """The engine as vLLM's handlers see it: every attribute is the engine's, and `generate`
+    notes on the current request's clock when its first output carrying a token came."""
+
+    def __init__(self, engine: AsyncLLM):
+        self._engine = engine
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    async def generate(self, *args, **kwargs):
+        clock = _FIRST_TOKEN.get()
+        # Closed with this generator: closing the engine's aborts its request.
+        async with contextlib.aclosing(self._engine.generate(*args, **kwargs)) as outputs:
+            async for output in outputs:
+                if clock is not None and not clock.at and any(o.token_ids for o in output.outputs):
+                    clock.at = time.time()
+                yield output
+
 
 _FINISH_REASONS = {"abort": "cancelled"}  # vLLM's word for a cancelled request; the rest pass through
 _TOKENIZE = pydantic.TypeAdapter(TokenizeRequest)
@@ -72,7 +112,8 @@ class VLLMAdapter(GenerationAdapter):
 
     async def start(self) -> None:
         """Build the engine, then `vllm serve`'s handlers over it (as `init_app_state` does)."""
-        self.engine = engine = AsyncLLM.from_engine_args(self.engine_args)
+        self.engine = AsyncLLM.from_engine_args(self.engine_args)
+        engine = _ClockedEngine(self.engine)
         self.max_model_len = engine.model_config.max_model_len
         self.system_fingerprint = get_system_fingerprint(engine.vllm_config)
         models = OpenAIServingModels(engine, [BaseModelPath(self.served_model_name, self.engine_args.model)])
@@ -109,7 +150,7 @@ class VLLMAdapter(GenerationAdapter):
 
     async def generate(self, request: RequestEnvelope) -> AsyncIterator[GenerationChunk]:
         if request.kind == "completion":
-            self._prompts[request.request_id] = len(completion_prompts(request))
+            self._prompts[request.request_id] = len(request.prompts)
         try:
             async with contextlib.aclosing(self._generate(request)) as chunks:
                 async for chunk in chunks:
@@ -118,6 +159,8 @@ class VLLMAdapter(GenerationAdapter):
             self._prompts.pop(request.request_id, None)
 
     async def _generate(self, request: RequestEnvelope) -> AsyncIterator[GenerationChunk]:
+        clock = _FirstToken()
+        _FIRST_TOKEN.set(clock)  # in the request's own task, which the handler's generation runs in
         try:
             check_media_urls(request.body, self.engine_args.allowed_media_domains)
             result = await self._handle(request)
@@ -138,7 +181,9 @@ class VLLMAdapter(GenerationAdapter):
             async for chunk in _StreamDecoder(request.kind, self.system_fingerprint).decode(result):
                 yield chunk
         else:
-            yield _whole_response(request.kind, result)
+            whole = _whole_response(request.kind, result)
+            whole.first_token_at = clock.at
+            yield whole
 
     async def _handle(self, request: RequestEnvelope) -> Any:
         """Validate the body with vLLM's request model and run `vllm serve`'s handler on it."""
@@ -190,6 +235,7 @@ class _StreamDecoder:
         self.tokens: dict[int, int] = {}  # completion tokens per choice so far
         self.first_sent = False
         self.prompt_sent = False
+        self.prompt_token_ids: dict[int, list[int]] = {}  # from a chat choice's role chunk, for its first delta
 
     async def decode(self, events: AsyncIterator[str]) -> AsyncIterator[GenerationChunk]:
         usage = None
@@ -205,18 +251,21 @@ class _StreamDecoder:
             if not data["choices"]:
                 usage = data.get("usage")
                 continue
-            chunk = self._delta(data["choices"][0], data.get("usage"))
+            chunk = self._delta(data["choices"][0], data.get("usage"), data.get("prompt_token_ids"))
             if chunk is not None:
                 finish = chunk.finish_reason or finish
                 yield chunk
         yield GenerationChunk(done=True, finish_reason=finish or "stop", usage=_usage(usage),
                               system_fingerprint=self.system_fingerprint)
 
-    def _delta(self, choice: dict[str, Any], usage: dict | None) -> GenerationChunk | None:
+    def _delta(self, choice: dict[str, Any], usage: dict | None,
+               role_prompt_token_ids: list[int] | None) -> GenerationChunk | None:
         index = choice["index"]
         delta = choice.get("delta") or {}
-        if self.chat and "role" in delta:
-            return None  # the gateway writes role chunks itself
+        if self.chat and "role" in delta:  # the gateway writes role chunks itself, from the first delta
+            if role_prompt_token_ids is not None:
+                self.prompt_token_ids[index] = role_prompt_token_ids
+            return None
         total = (usage or {}).get("completion_tokens", 0)
         count = total - self.tokens.get(index, 0)
         self.tokens[index] = total
@@ -234,7 +283,8 @@ class _StreamDecoder:
             stop_reason=choice.get("stop_reason"), token_count=count,
             first_token=count > 0 and not self.first_sent,
             system_fingerprint=self.system_fingerprint if finish else None,
-            prompt_token_ids=choice.get("prompt_token_ids"),
+            prompt_token_ids=choice.get("prompt_token_ids") or self.prompt_token_ids.pop(index, None),
+            token_ids=choice.get("token_ids"),
         )
         if not self.prompt_sent and usage is not None:  # the gateway's running usage needs the prompt size
             chunk.usage = Usage(prompt_tokens=usage["prompt_tokens"])
@@ -255,7 +305,8 @@ def _usage(usage: dict[str, Any] | None) -> Usage | None:
     details = usage.get("completion_tokens_details") or {}
     prompt_details = usage.get("prompt_tokens_details") or {}
     return Usage(prompt_tokens=usage["prompt_tokens"], completion_tokens=usage.get("completion_tokens") or 0,
-                 reasoning_tokens=details.get("reasoning_tokens"), cached_tokens=prompt_details.get("cached_tokens"))
+                 reasoning_tokens=details.get("reasoning_tokens"), cached_tokens=prompt_details.get("cached_tokens"),
+                 created_cache_tokens=prompt_details.get("created_cache_tokens"))
 
 
 def _whole_response(kind: str, response) -> GenerationChunk:
@@ -272,12 +323,16 @@ def _whole_response(kind: str, response) -> GenerationChunk:
             candidates.append(Candidate(index=choice["index"], text=message.get("content"),
                                         reasoning=message.get("reasoning"), tool_calls=calls or None,
                                         logprobs=logprobs, finish_reason=choice["finish_reason"],
-                                        stop_reason=choice.get("stop_reason")))
+                                        stop_reason=choice.get("stop_reason"), token_ids=choice.get("token_ids")))
         else:
             candidates.append(Candidate(index=choice["index"], text=choice["text"], logprobs=choice.get("logprobs"),
                                         finish_reason=choice["finish_reason"], stop_reason=choice.get("stop_reason"),
-                                        prompt_logprobs=choice.get("prompt_logprobs")))
+                                        prompt_logprobs=choice.get("prompt_logprobs"),
+                                        token_ids=choice.get("token_ids"),
+                                        prompt_token_ids=choice.get("prompt_token_ids")))
     finish = candidates[0].finish_reason if candidates else "stop"
     return GenerationChunk(done=True, finish_reason=_FINISH_REASONS.get(finish, finish),
                            usage=_usage(body.get("usage")), candidates=candidates, first_token=True,
-                           system_fingerprint=body.get("system_fingerprint"))
+                           system_fingerprint=body.get("system_fingerprint"),
+                           prompt_token_ids=body.get("prompt_token_ids") if kind == "chat" else None,
+                           prompt_logprobs=body.get("prompt_logprobs") if kind == "chat" else None)

@@ -30,9 +30,9 @@ from gateway.anthropic import errors
 from gateway.anthropic.protocol import CountTokensRequest, MessagesRequest
 from gateway.errors import json_response
 from gateway.fleet import GatewaySettings
-from gateway.protocol import check_sampling
+from gateway.protocol import cap_output, check_sampling
 from gateway.registry import ModelView
-from gateway.serving import Formatter, generation_route, new_envelope
+from gateway.serving import Formatter, generation_route, new_envelope, output_ceiling
 from shared.envelopes import Candidate, GenerationChunk, RequestEnvelope, ToolCallDelta, Usage
 from shared.errors import FleetError
 
@@ -58,8 +58,18 @@ def stop_reason(finish_reason: str | None, stop: str | int | None, tool_used: bo
 
 
 def _usage(usage: Usage | None) -> dict[str, int]:
+    """Anthropic's usage, as vLLM builds it: the prompt's tokens found in the engine's prefix cache
+    (`cache_read_input_tokens`) and written to it (`cache_creation_input_tokens`) are apart from
+    `input_tokens`, and present only where the engine reports them (`--enable-prompt-tokens-details`)."""
     usage = usage or Usage()
-    return {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens}
+    body = {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens}
+    for field, count in (("cache_read_input_tokens", usage.cached_tokens),
+                         ("cache_creation_input_tokens", usage.created_cache_tokens)):
+        if count is not None:
+            body["input_tokens"] -= count
+            body[field] = count
+    body["input_tokens"] = max(0, body["input_tokens"])
+    return body
 
 
 def _is_json(text: str) -> bool:
@@ -237,6 +247,7 @@ def messages_envelope(body: MessagesRequest, model: str, max_model_len: int,
                       settings: GatewaySettings) -> RequestEnvelope:
     params = body.sampling_options()
     check_sampling(params, max_model_len)
+    cap_output(params, output_ceiling(settings), "max_tokens", max_model_len, given=True)
     return new_envelope(body.chat_body(model), "chat", model, settings, body=body, params=params)
 
 

@@ -45,7 +45,7 @@ class ContentBlock(AnthropicModel):
     source: dict[str, Any] | None = None  # image: {"type": "base64", "media_type", "data"} or {"type": "url", "url"}
     id: str | None = None
     name: str | None = None
-    input: dict[str, Any] | None = None
+    input: Any = None  # a tool_use's: an object (checked by `PromptFields._blocks`, in Anthropic's words)
     tool_use_id: str | None = None
     content: str | list[dict[str, Any]] | None = None  # tool_result
     is_error: bool | None = None
@@ -115,6 +115,22 @@ class PromptFields(AnthropicModel):
     thinking: ThinkingConfig | None = None
     output_config: OutputConfig | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension
+
+    @model_validator(mode="after")
+    def _blocks(self) -> PromptFields:
+        """Anthropic's rules of the blocks that carry tool calls and results, in its API's words."""
+        for i, message in enumerate(self.messages):
+            for j, block in enumerate(message.content if isinstance(message.content, list) else ()):
+                where = f"messages.{i}.content.{j}.{block.type}"
+                if block.type == "tool_result" and not block.tool_use_id:
+                    raise FieldRuleError(f"{where}.tool_use_id: Field required", param=f"{where}.tool_use_id")
+                if block.type == "tool_use" and not isinstance(block.input, dict):
+                    problem = "Field required" if block.input is None else "Input should be a valid dictionary"
+                    raise FieldRuleError(f"{where}.input: {problem}", param=f"{where}.input")
+                if block.type == "tool_use" and not (block.id and block.name):
+                    missing = "id" if not block.id else "name"
+                    raise FieldRuleError(f"{where}.{missing}: Field required", param=f"{where}.{missing}")
+        return self
 
     @property
     def reasoning_effort(self) -> str | None:

@@ -8,9 +8,9 @@ from fastapi import APIRouter, Request
 
 from gateway import sessions
 from gateway.fleet import GatewaySettings
-from gateway.protocol import ChatCompletionRequest, check_sampling
+from gateway.protocol import ChatCompletionRequest, cap_output, check_sampling
 from gateway.registry import ModelView
-from gateway.serving import Formatter, generation_route, new_envelope, request_json, usage_body
+from gateway.serving import Formatter, generation_route, new_envelope, output_ceiling, request_json, usage_body
 from shared.envelopes import Candidate, GenerationChunk, RequestEnvelope, ToolCallDelta
 from shared.errors import FleetError
 
@@ -49,9 +49,10 @@ class ChatFormatter(Formatter):
 
     def _opening_events(self, chunk: GenerationChunk) -> list[dict[str, Any]]:
         # A role chunk opens each choice; at the end, also those of choices that produced nothing.
-        return self._role_events(range(self.n) if chunk.done else [chunk.choice_index])
+        # The choice's first delta brings the prompt's token ids, when the client asked for them.
+        return self._role_events(range(self.n) if chunk.done else [chunk.choice_index], chunk.prompt_token_ids)
 
-    def _role_events(self, indexes) -> list[dict[str, Any]]:
+    def _role_events(self, indexes, prompt_token_ids: list[int] | None) -> list[dict[str, Any]]:
         events = []
         for i in indexes:
             if not self._started[i]:
@@ -59,7 +60,7 @@ class ChatFormatter(Formatter):
                 choice = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}
                 event = self._chunk([choice], self._running_usage(i))
-                event["prompt_token_ids"] = event["prompt_text"] = None
+                event["prompt_token_ids"], event["prompt_text"] = prompt_token_ids, None
                 events.append(event)
         return events
 
@@ -69,7 +70,7 @@ class ChatFormatter(Formatter):
                   "logprobs": {"content": logprobs} if logprobs is not None else None, "finish_reason": finish}
         if finish is not None:
             choice["stop_reason"] = chunk.stop_reason if chunk is not None else None
-        choice["token_ids"] = None
+        choice["token_ids"] = chunk.token_ids if chunk is not None else None
         return choice
 
     def response(self, terminal: GenerationChunk) -> dict[str, Any]:
@@ -82,8 +83,8 @@ class ChatFormatter(Formatter):
             "service_tier": None,
             "system_fingerprint": terminal.system_fingerprint,
             "usage": usage_body(terminal.usage, details=True),
-            "prompt_logprobs": None,
-            "prompt_token_ids": None,
+            "prompt_logprobs": terminal.prompt_logprobs,
+            "prompt_token_ids": terminal.prompt_token_ids,
             "prompt_text": None,
             "kv_transfer_params": None,
             "ec_transfer_params": None,
@@ -102,7 +103,7 @@ class ChatFormatter(Formatter):
         logprobs = {"content": candidate.logprobs} if candidate.logprobs is not None else None
         return {"index": candidate.index, "message": message, "logprobs": logprobs,
                 "finish_reason": candidate.finish_reason, "stop_reason": candidate.stop_reason,
-                "token_ids": None, "routed_experts": None}
+                "token_ids": candidate.token_ids, "routed_experts": None}
 
 
 class SessionChatFormatter(ChatFormatter):
@@ -129,8 +130,11 @@ class SessionChatFormatter(ChatFormatter):
 def chat_envelope(body: ChatCompletionRequest, raw: dict[str, Any], model: str, max_model_len: int,
                   settings: GatewaySettings) -> RequestEnvelope:
     params = body.sampling_options(body.requested_max_tokens, body.logprobs_count, echo=False)
-    check_sampling(params, max_model_len,
-                   "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens")
+    field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
+    check_sampling(params, max_model_len, field, beam_search=body.use_beam_search)
+    if (capped := cap_output(params, output_ceiling(settings), field, max_model_len,
+                             given=body.requested_max_tokens is not None)) is not None:
+        raw = {**raw, "max_tokens": capped}
     return new_envelope(raw, "chat", model, settings, body=body, params=params)
 
 
@@ -140,4 +144,5 @@ async def prepare(body: ChatCompletionRequest, request: Request, view: ModelView
     return envelope, (SessionChatFormatter if body.session_id else ChatFormatter)(body, envelope)
 
 
-generation_route(router, "/v1/chat/completions", ChatCompletionRequest, prepare, serve=sessions.serve_chat)
+create_chat_completion = generation_route(router, "/v1/chat/completions", ChatCompletionRequest, prepare,
+                                          serve=sessions.serve_chat)

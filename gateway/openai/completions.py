@@ -7,9 +7,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from gateway.fleet import GatewaySettings
-from gateway.protocol import CompletionRequest, check_sampling
+from gateway.protocol import DEFAULT_MAX_TOKENS, CompletionRequest, cap_output, check_sampling
 from gateway.registry import ModelView
-from gateway.serving import Formatter, generation_route, new_envelope, request_json, usage_body
+from gateway.serving import Formatter, generation_route, new_envelope, output_ceiling, request_json, usage_body
 from shared.envelopes import GenerationChunk, RequestEnvelope
 
 router = APIRouter()
@@ -24,13 +24,14 @@ class CompletionFormatter(Formatter):
         return {"index": index, "text": chunk.text or "" if chunk is not None else "",
                 "logprobs": chunk.logprobs if chunk is not None else None, "finish_reason": finish,
                 "stop_reason": chunk.stop_reason if chunk is not None else None,
-                "prompt_token_ids": chunk.prompt_token_ids if chunk is not None else None, "token_ids": None}
+                "prompt_token_ids": chunk.prompt_token_ids if chunk is not None else None,
+                "token_ids": chunk.token_ids if chunk is not None else None}
 
     def response(self, terminal: GenerationChunk) -> dict[str, Any]:
         choices = [
             {"index": c.index, "text": c.text or "", "logprobs": c.logprobs, "finish_reason": c.finish_reason,
-             "stop_reason": c.stop_reason, "token_ids": None, "prompt_logprobs": c.prompt_logprobs,
-             "prompt_token_ids": None,
+             "stop_reason": c.stop_reason, "token_ids": c.token_ids, "prompt_logprobs": c.prompt_logprobs,
+             "prompt_token_ids": c.prompt_token_ids,
              "routed_experts": None}
             for c in terminal.candidates or ()
         ]
@@ -43,7 +44,10 @@ class CompletionFormatter(Formatter):
 def completion_envelope(body: CompletionRequest, raw: dict[str, Any], model: str, max_model_len: int,
                         settings: GatewaySettings) -> RequestEnvelope:
     params = body.sampling_options(body.max_tokens, body.logprobs, echo=body.echo)
-    check_sampling(params, max_model_len)
+    check_sampling(params, max_model_len, beam_search=body.use_beam_search)
+    if (capped := cap_output(params, output_ceiling(settings), "max_tokens", max_model_len,
+                             given=raw.get("max_tokens") is not None, default=DEFAULT_MAX_TOKENS)) is not None:
+        raw = {**raw, "max_tokens": capped}
     return new_envelope(raw, "completion", model, settings, body=body, params=params)
 
 
@@ -53,4 +57,4 @@ async def prepare(body: CompletionRequest, request: Request, view: ModelView,
     return envelope, CompletionFormatter(body, envelope)
 
 
-generation_route(router, "/v1/completions", CompletionRequest, prepare)
+create_completion = generation_route(router, "/v1/completions", CompletionRequest, prepare)

@@ -15,21 +15,21 @@ per-process dict, off by default), docs/parity.md says how.
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from pydantic import Field, model_validator
 from starlette.responses import Response, StreamingResponse
 
-from gateway import streams
+from gateway import streams, tenancy
 from gateway.errors import error_body, json_response
 from gateway.fleet import Fleet
 from gateway.openai.response_store import ResponseStore, StoredResponse
-from gateway.protocol import FieldRuleError, OpenAIModel, check_sampling
-from gateway.serving import Formatter, new_envelope, request_json, serve_generation
+from gateway.protocol import FieldRuleError, OpenAIModel, cap_output, check_sampling
+from gateway.serving import Formatter, new_envelope, output_ceiling, request_json, serve_generation
 from shared.envelopes import Candidate, GenerationChunk, RequestEnvelope, SamplingOptions, ToolCallDelta, Usage
 from shared.errors import FleetError
 
@@ -509,6 +509,33 @@ def response_store(fleet: Fleet) -> ResponseStore:
     return store
 
 
+@dataclass(slots=True)
+class Record:
+    """Where one response is stored: its tenant's record, with the history it continued and its input."""
+
+    store: ResponseStore
+    tenant: str
+    history: list[dict[str, Any]]
+    input: list[dict[str, Any]]
+
+    async def save(self, response: dict[str, Any]) -> None:
+        await self.store.save(response, self.history, self.tenant, self.input)
+
+
+def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's input as `input_items` lists it: items with ids, a message's text as parts."""
+    items = [{"type": "message", "role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
+    listed = []
+    for item in items:
+        item = {"type": item.get("type", "message"), **item}
+        if item["type"] == "message" and isinstance(item.get("content"), str):
+            item["content"] = [{"type": "input_text", "text": item["content"]}]
+        item.setdefault("id", _item_id({"message": "msg", "function_call": "fc", "reasoning": "rs"}.get(
+            item["type"], "item")))
+        listed.append(item)
+    return listed
+
+
 def not_found(response_id: str) -> Response:
     return json_response(error_body(f"Response with id '{response_id}' not found.", 404, "response_id",
                                     "invalid_request_error"), 404)
@@ -518,16 +545,19 @@ def not_found(response_id: str) -> Response:
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     fleet: Fleet = request.app.state.fleet
     store = response_store(fleet)
+    tenant = tenancy.current().name
     raw = await request_json(request)
     view = await fleet.registry.resolve(body.model)
-    previous = await store.get(body.previous_response_id) if body.previous_response_id else None
-    if body.previous_response_id and previous is None:
+    previous = await store.get(body.previous_response_id, tenant) if body.previous_response_id else None
+    if body.previous_response_id and previous is None:  # unknown, expired, or another tenant's
         return not_found(body.previous_response_id)
     history = conversation(body, previous)
     messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + history
     max_tokens = min(body.max_output_tokens, view.max_model_len) if body.max_output_tokens is not None else None
     params = sampling_options(body, max_tokens)
     check_sampling(params, view.max_model_len, "max_output_tokens")
+    max_tokens = cap_output(params, output_ceiling(fleet.settings), "max_output_tokens", view.max_model_len,
+                            given=max_tokens is not None) or max_tokens
     stream = body.stream or body.background  # a background run keeps its events for a later reader
     chat = chat_body(body, raw, view.name, messages, max_tokens, stream)
     envelope = new_envelope(chat, "chat", view.name, fleet.settings, body=None, params=params)
@@ -535,59 +565,60 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     if body.timeout:
         envelope.deadline = min(envelope.deadline, envelope.arrival + body.timeout)
     formatter = ResponsesFormatter(body, envelope, view.max_model_len)
+    record = Record(store, tenant, history, input_items(body))
     if body.background:
-        return await _start_background(fleet, store, envelope, formatter, history)
+        return await _start_background(fleet, record, envelope, formatter)
     if body.resumable:  # runs on without its client, so the run itself stores its end
-        on_terminal = _store_end(store, formatter, history) if body.store else None
+        on_terminal = _store_end(record, formatter) if body.store else None
         answer = await streams.serve_resumable(request, fleet, envelope, formatter, on_terminal=on_terminal)
     else:
         answer = await serve_generation(request, fleet, envelope, formatter)
     if not body.store:
         return answer
     if isinstance(answer, StreamingResponse):
-        answer.body_iterator = _saved_before_end(answer.body_iterator, formatter, store, history)
+        answer.body_iterator = _saved_before_end(answer.body_iterator, formatter, record)
     elif formatter.final is not None:
-        await store.save(formatter.final, history)
+        await record.save(formatter.final)
     return answer
 
 
-async def _saved_before_end(parts: AsyncIterator[bytes], formatter: ResponsesFormatter, store: ResponseStore,
-                            history: list[dict[str, Any]]) -> AsyncIterator[bytes]:
+async def _saved_before_end(parts: AsyncIterator[bytes], formatter: ResponsesFormatter,
+                            record: Record) -> AsyncIterator[bytes]:
     """The stream, with its Response stored before the client reads its end: a client that then
     continues from it, on any replica, finds it."""
     saved = False
     async for part in parts:
         if not saved and formatter.final is not None:
             saved = True
-            await store.save(formatter.final, history)
+            await record.save(formatter.final)
         yield part
 
 
-async def _start_background(fleet: Fleet, store: ResponseStore, envelope: RequestEnvelope,
-                            formatter: ResponsesFormatter, history: list[dict[str, Any]]) -> Response:
+async def _start_background(fleet: Fleet, record: Record, envelope: RequestEnvelope,
+                            formatter: ResponsesFormatter) -> Response:
     """Store the response as queued, run it detached from this request (`gateway/streams.py`: its
     events kept in Redis for any replica to follow), and answer at once: the queued Response, or
     for `stream` the events as they come. Its end is stored by the run, whoever listens."""
     queued = formatter.response_object("queued", [])
-    await store.save(queued, history)
+    await record.save(queued)
     try:
-        await streams.run_detached(fleet, envelope, formatter, on_terminal=_store_end(store, formatter, history))
+        await streams.run_detached(fleet, envelope, formatter, on_terminal=_store_end(record, formatter))
     except FleetError as exc:  # not queued (429, 503): the response never existed
-        await store.delete(queued["id"])
+        await record.store.delete(queued["id"], record.tenant)
         return formatter.error_response(exc)
     if formatter.body.stream:
-        return StreamingResponse(await streams.follow(fleet, queued["id"], None), media_type="text/event-stream")
+        return StreamingResponse(await streams.follow(fleet, queued["id"], None, record.tenant),
+                                 media_type="text/event-stream", headers=streams.SSE_HEADERS)
     return json_response(queued)
 
 
-def _store_end(store: ResponseStore, formatter: ResponsesFormatter,
-               history: list[dict[str, Any]]) -> streams.OnTerminal:
+def _store_end(record: Record, formatter: ResponsesFormatter) -> streams.OnTerminal:
     """What a detached run (background, resumable) does at its end: store the final Response."""
     async def store_end(_terminal: GenerationChunk | None, error: FleetError | None) -> None:
         final = formatter.final  # None when the run ended before any event (a refusal)
         if final is None:
             final = formatter.response_object("failed" if error else "cancelled", formatter.output, None, error)
-        await store.save(final, history)
+        await record.save(final)
 
     return store_end
 
@@ -596,18 +627,38 @@ def _store_end(store: ResponseStore, formatter: ResponsesFormatter,
 async def retrieve_response(response_id: str, request: Request, stream: bool = False,
                             starting_after: int | None = None) -> Response:
     fleet: Fleet = request.app.state.fleet
-    stored = await response_store(fleet).get(response_id)
+    tenant = tenancy.current().name
+    stored = await response_store(fleet).get(response_id, tenant)
     if stored is None:
         return not_found(response_id)
     if stream:  # replay the kept events after `starting_after`, then follow the live ones
-        return StreamingResponse(await streams.follow(fleet, response_id, starting_after),
-                                 media_type="text/event-stream")
+        return StreamingResponse(await streams.follow(fleet, response_id, starting_after, tenant),
+                                 media_type="text/event-stream", headers=streams.SSE_HEADERS)
     return json_response(stored.response)
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(response_id: str, request: Request, limit: int = Query(20, ge=1, le=100),
+                           order: Literal["asc", "desc"] = "desc", after: str | None = None) -> Response:
+    """The input items of a stored response, as OpenAI's API lists them (newest first by default)."""
+    stored = await response_store(request.app.state.fleet).get(response_id, tenancy.current().name)
+    if stored is None:
+        return not_found(response_id)
+    items = stored.input if order == "asc" else stored.input[::-1]
+    if after is not None:
+        position = next((i for i, item in enumerate(items) if item.get("id") == after), None)
+        if position is None:
+            return json_response(error_body(f"No input item with id '{after}' in response '{response_id}'.", 400,
+                                            "after", "invalid_request_error"), 400)
+        items = items[position + 1:]
+    page = items[:limit]
+    return json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                          "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
 
 
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(response_id: str, request: Request) -> Response:
-    if not await response_store(request.app.state.fleet).delete(response_id):
+    if not await response_store(request.app.state.fleet).delete(response_id, tenancy.current().name):
         return not_found(response_id)
     return json_response({"id": response_id, "object": "response", "deleted": True})
 
@@ -616,13 +667,14 @@ async def delete_response(response_id: str, request: Request) -> Response:
 async def cancel_response(response_id: str, request: Request) -> Response:
     fleet: Fleet = request.app.state.fleet
     store = response_store(fleet)
-    before = await store.cancel(response_id)
+    tenant = tenancy.current().name
+    before = await store.cancel(response_id, tenant)
     if before is None:
         return not_found(response_id)
     if before not in ("queued", "in_progress"):
         return json_response(error_body("Cannot cancel a synchronous response.", 400, "response_id",
                                         "invalid_request_error"), 400)
     if response_id.startswith(ID_PREFIX):
-        await fleet.cancels.cancel_requests([response_id.removeprefix(ID_PREFIX)], "explicit", time.time())
-    stored = await store.get(response_id)
+        await fleet.cancels.cancel_run(response_id.removeprefix(ID_PREFIX), tenant)
+    stored = await store.get(response_id, tenant)
     return json_response(stored.response if stored is not None else {"id": response_id, "status": "cancelled"})

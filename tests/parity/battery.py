@@ -24,6 +24,9 @@ class Case:
     body: Any  # a JSON body, or raw bytes sent as they are
     profile: str = "tools"
     invalid: bool = False
+    # (status, type, param) the API itself (OpenAI's, Anthropic's) answers where `vllm serve` accepts
+    # the request: llmfleet is held to it instead (docs/compatibility.md).
+    api: tuple[int, str, str] | None = None
 
     @property
     def stream(self) -> bool:
@@ -173,6 +176,17 @@ def build() -> list[Case]:
           chat(messages=[*HELLO, {"role": "assistant", "content": "I am"}], add_generation_prompt=False,
                continue_final_message=True))
 
+    # vLLM's extensions: token ids, prompt logprobs, beam search
+    b.add("token ids", "chat return_token_ids", C, chat(return_token_ids=True, max_tokens=5), both=True)
+    b.add("token ids", "completion return_token_ids", P, completion(return_token_ids=True, max_tokens=5), both=True)
+    b.add("token ids", "chat prompt_logprobs", C, chat(prompt_logprobs=2, max_tokens=3))
+    b.add("beam search", "chat n=2 beams", C, chat(n=2, use_beam_search=True, max_tokens=5), both=True)
+    b.add("beam search", "completion n=3 beams", P, completion(n=3, use_beam_search=True, max_tokens=5))
+
+    # SageMaker's entry point: one route, dispatched on the body
+    b.add("invocations", "chat body", "/invocations", chat(), both=True)
+    b.add("invocations", "completion body", "/invocations", completion())
+
     # Tokenizer endpoints
     b.add("tokenize", "tokenize prompt", "/tokenize", {"model": TOOLS_MODEL, "prompt": "Hello there"})
     b.add("tokenize", "tokenize chat", "/tokenize", {"model": TOOLS_MODEL, "messages": HELLO})
@@ -226,4 +240,18 @@ def build() -> list[Case]:
     b.add("errors", "json_schema without a schema", C, chat(response_format={"type": "json_schema"}), **bad)
     b.add("errors", "named tool that does not exist", C,
           chat(tools=[WEATHER_TOOL], tool_choice={"type": "function", "function": {"name": "nope"}}), **bad)
+    b.add("errors", "invocations body of no known shape", "/invocations", {"model": TOOLS_MODEL}, **bad)
+
+    # Rules of the OpenAI API that vllm serve leaves to the chat template: held to the API's answer.
+    def openai_rule(param: str) -> dict[str, Any]:
+        return {"invalid": True, "api": (400, "invalid_request_error", param)}
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    b.add("errors", "tool message without tool_call_id", C, chat(messages=[
+        *HELLO, {"role": "assistant", "tool_calls": [call]}, {"role": "tool", "content": "sunny"}]),
+        **openai_rule("messages[2].tool_call_id"))
+    b.add("errors", "assistant message with neither content nor tool_calls", C, chat(messages=[
+        *HELLO, {"role": "assistant"}, *HELLO]), **openai_rule("messages[1].content"))
+    b.add("errors", "tool_calls on a user message", C, chat(messages=[{**HELLO[0], "tool_calls": [call]}]),
+          **openai_rule("messages[0].tool_calls"))
     return b.cases

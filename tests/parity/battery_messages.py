@@ -141,6 +141,17 @@ def build() -> list[Case]:
     b.add("anthropic errors", "count_tokens unknown model", COUNT, {"model": "no-such-model", "messages": HELLO},
           **bad)
     b.add("anthropic errors", "count_tokens without messages", COUNT, {"model": TOOLS_MODEL}, **bad)
+    # Rules of Anthropic's API that vllm serve does not check: held to the API's answer.
+    use = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}
+    for name, blocks, param in (
+            ("tool_result without tool_use_id", [use, {k: v for k, v in result.items() if k != "tool_use_id"}],
+             "messages.2.content.0.tool_result.tool_use_id"),
+            ("tool_use whose input is not an object", [{**use, "input": "Paris"}, result],
+             "messages.1.content.0.tool_use.input")):
+        history = [HELLO[0], {"role": "assistant", "content": blocks[:1]}, {"role": "user", "content": blocks[1:]}]
+        b.add("anthropic errors", name, M, message(tools=tools, messages=history), invalid=True,
+              api=(400, "invalid_request_error", param))
     return b.cases
 
 

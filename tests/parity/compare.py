@@ -12,6 +12,12 @@ next begins is not compared: vLLM sends one engine step per chunk, llmfleet may 
 that arrive together, and clients join deltas either way.
 
 An error is compared by status, `type` and `param`; its message is reported, not required.
+
+A stream's bytes are compared too (`frame_differences`), as far as they do not depend on where
+deltas split: each event is a frame of the same lines (`data:` alone on the OpenAI routes: an
+`id:` line is a difference), and each kind of frame is written alike, compact or not and with
+its keys in the same order. With the JSON compared field by field, that leaves only the ids,
+`created` and the chunk boundaries free.
 """
 
 from __future__ import annotations
@@ -28,6 +34,56 @@ class Answer:
     status: int
     body: Any  # parsed JSON, or the list of SSE data payloads of a stream
     stream: bool
+    raw: str = ""  # a stream's bytes as sent
+
+
+def frames(raw: str) -> list[list[str]]:
+    """The frames of an SSE body, each the list of its lines."""
+    return [frame.split("\n") for frame in raw.split("\n\n") if frame]
+
+
+def _keys(value: Any) -> Any:
+    """The keys of a JSON value in the order written, nested (a list by its first element)."""
+    if isinstance(value, dict):
+        return [(key, _keys(item)) for key, item in value.items()]
+    if isinstance(value, list) and value:
+        return [_keys(value[0])]
+    return None
+
+
+def _writing(frame: list[str]) -> tuple[str, tuple[str, ...], Any, bool] | None:
+    """(kind, line fields, key order, compact) of one frame; None for the end marker."""
+    fields = tuple(line.split(":", 1)[0] for line in frame)
+    data = next((line[6:] for line in frame if line.startswith("data: ")), None)
+    if data is None or data == "[DONE]":
+        return None
+    payload = json.loads(data)
+    compact = data == json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+    kind = payload.get("type") if isinstance(payload, dict) and "type" in payload else _shape(payload) \
+        if isinstance(payload, dict) and "choices" in payload else "error" if "error" in payload else "other"
+    return kind, fields, _keys(payload), compact
+
+
+def frame_differences(expected: str, actual: str) -> list[str]:
+    """Where two streams' frames are written differently, whatever their values and splits."""
+    def by_kind(raw: str) -> dict[str, set]:
+        written: dict[str, set] = {}
+        for frame in frames(raw):
+            writing = _writing(frame)
+            if writing is not None:
+                written.setdefault(writing[0], set()).add(json.dumps(writing[1:]))
+        return written
+
+    vllm, fleet = by_kind(expected), by_kind(actual)
+    out = []
+    for kind in sorted(set(vllm) & set(fleet)):
+        if vllm[kind] != fleet[kind]:
+            out.append(f"frames of {kind!r} written differently: vllm {sorted(vllm[kind])} != llmfleet "
+                       f"{sorted(fleet[kind])}")
+    endings = [frames(raw)[-1] if frames(raw) else [] for raw in (expected, actual)]
+    if endings[0] != endings[1]:
+        out.append(f"last frame: vllm {endings[0]} != llmfleet {endings[1]}")
+    return out
 
 
 def parse_sse(text: str) -> list[Any]:

@@ -2,7 +2,7 @@
 
 Two server pairs, one per profile, each pair with the same engine options:
   tools: --enable-auto-tool-choice --tool-call-parser hermes
-  think: --reasoning-parser deepseek_r1
+  think: --reasoning-parser deepseek_r1 --enable-prompt-tokens-details
 `python -m tests.parity` runs it alone and prints the table; tests/test_parity.py runs it in CI.
 """
 
@@ -23,7 +23,7 @@ import openai
 
 from tests.parity import battery_messages, battery_responses
 from tests.parity.battery import MAX_MODEL_LEN, THINK_MODEL, TOOLS_MODEL, Case, build
-from tests.parity.compare import Answer, differences, error_message, parse_sse, view
+from tests.parity.compare import Answer, differences, error_message, frame_differences, parse_sse, view
 from tests.procs import (
     LOG_DIR,
     Proc,
@@ -39,7 +39,8 @@ from tests.procs import (
 ENGINE_OPTIONS = ["--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--dtype", "float32"]
 PROFILES = {
     "tools": (TOOLS_MODEL, ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]),
-    "think": (THINK_MODEL, ["--reasoning-parser", "deepseek_r1"]),
+    # With the prefix cache's counts in usage: Anthropic's cache_read_input_tokens come from them.
+    "think": (THINK_MODEL, ["--reasoning-parser", "deepseek_r1", "--enable-prompt-tokens-details"]),
 }
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
@@ -94,7 +95,7 @@ def send(client: httpx.Client, base_url: str, case: Case) -> Answer:
     else:
         response = client.post(base_url + case.path, json=case.body)
     if case.stream and response.status_code == 200:
-        return Answer(200, parse_sse(response.text), True)
+        return Answer(200, parse_sse(response.text), True, response.text)
     try:
         body = response.json()
     except ValueError:
@@ -141,8 +142,11 @@ def run_battery(servers: Servers, cases: list[Case] | None = None) -> list[Resul
     answers = open(LOG_DIR / "parity-answers.jsonl", "w")  # noqa: SIM115 - closed below
     with answers, httpx.Client(timeout=300) as client:  # generous: CI machines are slow and shared
         for i, case in enumerate(cases, 1):
-            expected = send(client, servers.vllm[case.profile], case)
+            vllm_answer = expected = send(client, servers.vllm[case.profile], case)
             actual = send(client, servers.fleet, case)
+            if case.api is not None:  # vllm serve accepts it; llmfleet answers as the OpenAI API does
+                expected = Answer(case.api[0], {"error": {"type": case.api[1], "param": case.api[2],
+                                                             "code": None}}, False)
             if case.path == battery_responses.PATH:
                 diffs = battery_responses.responses_differences(expected, actual)
             elif battery_messages.owns(case):
@@ -150,14 +154,16 @@ def run_battery(servers: Servers, cases: list[Case] | None = None) -> list[Resul
                          + battery_messages.client_problems(case, servers.fleet))
             else:
                 diffs = differences(view(expected), view(actual)) + sdk_problems(case, servers.fleet)
-            answers.write(json.dumps({"case": case.name, "vllm": [expected.status, expected.body],
+            if expected.raw and actual.raw:
+                diffs += frame_differences(expected.raw, actual.raw)
+            answers.write(json.dumps({"case": case.name, "vllm": [vllm_answer.status, vllm_answer.body],
                                       "llmfleet": [actual.status, actual.body]}) + "\n")
             notes = []
-            if case.invalid and expected.status == 200 and not expected.stream:
+            if case.invalid and vllm_answer.status == 200 and not vllm_answer.stream:
                 notes.append("vllm accepted this request")
             if error_message(expected) != error_message(actual):
                 notes.append(f"messages: vllm {error_message(expected)!r} / llmfleet {error_message(actual)!r}")
-            results.append(Result(case, diffs, notes, expected.status))
+            results.append(Result(case, diffs, notes, vllm_answer.status))
             sys.stderr.write(f"\rparity: {i}/{len(cases)}" + ("\n" if i == len(cases) else ""))
     return results
 

@@ -1,0 +1,36 @@
+"""POST /invocations, `vllm serve`'s SageMaker-style entry point: one route for every generation
+request, dispatched on the body's shape (a chat request first, then a completion), as vLLM does."""
+
+from __future__ import annotations
+
+import orjson
+import pydantic
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from gateway.errors import error_body, json_response
+from gateway.openai.chat import create_chat_completion
+from gateway.openai.completions import create_completion
+from gateway.protocol import ChatCompletionRequest, CompletionRequest
+
+router = APIRouter()
+
+# In vLLM's order: the first model a body validates as takes it.
+HANDLERS = ((ChatCompletionRequest, create_chat_completion), (CompletionRequest, create_completion))
+
+
+@router.post("/invocations")
+async def invocations(request: Request) -> Response:
+    try:
+        body = orjson.loads(await request.body())
+    except orjson.JSONDecodeError as exc:
+        return json_response(error_body(f"JSON decode error: {exc}", 400), 400)
+    for model, handler in HANDLERS:
+        try:
+            parsed = model.model_validate(body)
+        except pydantic.ValidationError:
+            continue
+        return await handler(parsed, request)
+    names = [model.__name__ for model, _ in HANDLERS]
+    return json_response(error_body(f"Cannot find suitable handler for request. Expected one of: {names}", 400,
+                                    err_type="BadRequestError"), 400)
