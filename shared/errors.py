@@ -19,12 +19,11 @@ matching exception class, so both sides speak the same codes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import msgspec
 
 
-@dataclass(slots=True)
-class ErrorInfo:
-    """An error as it travels in a chunk envelope."""
+class ErrorInfo(msgspec.Struct, omit_defaults=True):
+    """An error as it travels in a chunk envelope (shared.envelopes)."""
 
     code: str
     message: str

@@ -74,7 +74,11 @@ def test_unknown_fields_from_a_newer_writer_are_ignored():
     (b"\xc1\xc1", "not a msgpack envelope"),
     (msgpack.packb([1, 2]), "must be a map"),
     (msgpack.packb({"v": 2, "request_id": "r", "seq": 0, "chunks": []}), "unsupported wire version"),
-    (msgpack.packb({"v": 1, "request_id": "r", "seq": 0, "chunks": "nope"}), "must be a list"),
+    (msgpack.packb({"v": 1, "request_id": "r", "seq": 0, "chunks": "nope"}), r"Expected `array`.*\$\.chunks"),
+    (msgpack.packb({"request_id": "r", "seq": -2, "chunks": []}), r"Expected `int` >= -1 - at `\$\.seq`"),
+    (msgpack.packb({"request_id": "r", "seq": 0, "chunks": [{"text": 3}]}), r"\$\.chunks\[0\]\.text"),
+    (msgpack.packb({"request_id": "r", "seq": 0, "chunks": [{"done": True, "usage": {"prompt_tokens": "9"}}]}),
+     r"\$\.chunks\[0\]\.usage\.prompt_tokens"),
     (msgpack.packb({"v": 1, "seq": 0, "chunks": []}), "malformed ChunkEnvelope"),
     (b"\x00" * (MAX_ENVELOPE_BYTES + 1), "exceeds"),
 ])
@@ -103,6 +107,19 @@ def test_batch_replies_is_off_unless_asked_for():
     assert _request().batch_replies is False  # what a gateway from before batches means
     assert "batch_replies" not in _request().to_wire()
     assert decode(RequestEnvelope, encode(_request(batch_replies=True))).batch_replies is True
+
+
+@pytest.mark.parametrize("field, value, where", [
+    ("arrival", "soon", "$.arrival"), ("deadline", -1.0, "$.deadline"), ("request_id", "", "$.request_id"),
+    ("priority", "urgent", "$.priority"), ("body", [1], "$.body"), ("params", {"n": 0}, "$.params.n"),
+    ("params", {"max_tokens": "many"}, "$.params.max_tokens"), ("stream", "yes", "$.stream"),
+])
+def test_every_request_field_is_checked_when_decoded(field, value, where):
+    """What decoded used to fail later, outside the code that dead-letters it (a string arrival)."""
+    wire = _request().to_wire()
+    wire[field] = value
+    with pytest.raises(EnvelopeError, match=f"malformed RequestEnvelope: .* - at `{where.replace('$', '[$]')}`"):
+        decode(RequestEnvelope, msgpack.packb(wire))
 
 
 def test_bad_request_kind_is_refused():

@@ -7,6 +7,7 @@ import time
 import uuid
 
 import httpx
+import msgpack
 import pytest
 
 from shared import keys
@@ -17,8 +18,8 @@ from tests.procs import start_gateway, start_worker, wait_for, wait_until_served
 
 def test_a_heartbeat_without_kinds_is_from_a_worker_that_accepts_todays_kinds():
     old = {"worker_id": "w", "model": "m", "max_model_len": 8, "capacity": 1, "v": 1}
-    assert WorkerInfo.from_wire(old).kinds == list(KINDS)
-    assert WorkerInfo.from_wire({**old, "kinds": ["chat"]}).kinds == ["chat"]
+    assert decode(WorkerInfo, msgpack.packb(old)).kinds == list(KINDS)
+    assert decode(WorkerInfo, msgpack.packb({**old, "kinds": ["chat"]})).kinds == ["chat"]
 
 
 @pytest.fixture(scope="module")
