@@ -6,6 +6,7 @@ underscores): `--redis-url` is LLMFLEET_REDIS_URL, `--max-concurrency` LLMFLEET_
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -15,11 +16,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 import click
 
-from gateway.settings import DEFAULT_REDIS_URL
+from gateway.settings import DEFAULT_REDIS_URL, GatewaySettings
+from worker.settings import WorkerSettings
 
 LOWEST_PRIORITY = 19  # the nice value of `llmfleet up`'s workers
 CACHE_DIR = Path(os.environ.get("LLMFLEET_CACHE_DIR", Path.home() / ".cache" / "llmfleet"))
@@ -72,127 +75,81 @@ def redis_options(command):
                   "redis+cluster://[:password@]host:port[,host:port...]")(merged)
 
 
-def gateway_options(command):
-    """An option per gateway setting (gateway/settings.py), with its default and help."""
-    from gateway.settings import options
+def option_name(name: str) -> str:
+    """The CLI option of a setting: `request_timeout_s` -> `request-timeout`."""
+    return name.removesuffix("_s").replace("_", "-")
 
-    for name, default, help_text in reversed(options()):
-        if isinstance(default, bool):  # a flag: --require-keys / --no-require-keys
-            command = click.option(f"--{name}/--no-{name}", envvar=_env(name), show_envvar=True, default=default,
-                                   help=help_text)(command)
-            continue
-        kind = str if isinstance(default, tuple) else type(default)
-        default = ",".join(default) if isinstance(default, tuple) else default
-        command = option(name, default=default, type=kind, help=help_text)(command)
-    return command
+
+def options_of(settings_class) -> list[tuple[str, Any, str]]:
+    """(option name, default, help) of every setting of a settings dataclass the CLI offers, in order."""
+    return [(option_name(f.name), f.default, f.metadata["help"]) for f in dataclasses.fields(settings_class)
+            if f.metadata]
+
+
+def settings_options(settings_class):
+    """An option per setting of `settings_class` (gateway/settings.py, worker/settings.py): its
+    default, type and help come from the field, so the settings are the only place of defaults."""
+    def decorate(command):
+        for f in reversed([f for f in dataclasses.fields(settings_class) if f.metadata]):
+            name, meta, default = option_name(f.name), f.metadata, f.default
+            if isinstance(default, bool):  # a flag: --require-keys / --no-require-keys
+                command = click.option(f"--{name}/--no-{name}", envvar=_env(name), show_envvar=True, default=default,
+                                       help=meta["help"])(command)
+                continue
+            kind = meta.get("kind") or type(default)
+            if isinstance(default, tuple):
+                kind, default = str, ",".join(default)
+            if "choices" in meta:
+                kind = click.Choice(meta["choices"])
+            elif "minimum" in meta:
+                kind = click.IntRange(min=meta["minimum"])
+            required = meta.get("required", False)  # a required option has no default
+            command = option(name, default=None if required else default, type=kind, help=meta["help"],
+                             required=required)(command)
+        return command
+    return decorate
+
+
+def settings_from(settings_class, redis_url: str, values: dict[str, Any]):
+    """The settings from the CLI's values, keyed by option name with underscores (click's)."""
+    chosen: dict[str, Any] = {"redis_url": redis_url}
+    for f in dataclasses.fields(settings_class):
+        value = values.get(option_name(f.name).replace("-", "_"))
+        if f.metadata and value is not None:
+            chosen[f.name] = tuple(v.strip() for v in value.split(",") if v.strip()) \
+                if isinstance(f.default, tuple) and isinstance(value, str) else value
+    return settings_class(**chosen)
 
 
 @main.command()
 @option("host", default="0.0.0.0")
 @option("port", default=8000, type=int)
 @redis_options
-@gateway_options
+@settings_options(GatewaySettings)
 def gateway(host: str, port: int, redis_url: str, **values) -> None:
     """Run a gateway (HTTP API) process."""
     from gateway.main import serve
-    from gateway.settings import from_options
 
-    settings = from_options(redis_url, values)
-    serve(settings, host, port,
+    serve(settings_from(GatewaySettings, redis_url, values), host, port,
           logging.getLevelName(logging.getLogger().level).lower())
 
 
-@main.command(context_settings={"ignore_unknown_options": False})
-@option("model", required=True, help="Model path or name, as for `vllm serve`.")
-@option("engine", default="vllm", type=click.Choice(["vllm", "scripted"]))
-@option("served-model-name", default=None, help="Name clients use (default: --model).")
+@main.command()
 @redis_options
-@option("max-concurrency", default=64, type=int, help="Requests run at once by this worker.")
-@option("metrics-port", default=0, type=int, help="Serve Prometheus metrics on this port (0: off).")
-@option("claim-idle", default=3.0, type=float, help="Seconds before a dead worker's request is taken over.")
-@option("max-model-len", default=None, type=int)
-@option("dtype", default="auto")
-@option("enforce-eager", is_flag=True)
-@option("gpu-memory-utilization", default=None, type=float)
-@option("tensor-parallel-size", default=1, type=int)
-@option("max-num-seqs", default=None, type=int)
-@option("max-logprobs", default=20, type=int)
-@option("stream-interval", default=None, type=click.IntRange(min=1), help="Tokens per streamed delta after a "
-        "request's first, as vllm serve's option (default 1: every token as it comes); fewer, larger deltas "
-        "cost the worker, Redis and the gateway less per token.")
-@option("seed", default=None, type=int)
-@option("trust-remote-code", is_flag=True)
-@option("tokenizer", default=None)
-@option("chat-template", default=None, help="Path of a Jinja chat template replacing the model's.")
-@option("tool-call-parser", default=None)
-@option("enable-auto-tool-choice", is_flag=True)
-@option("reasoning-parser", default=None)
-@option("allowed-media-domains", default=None, help="Comma-separated domains the worker may fetch media "
-        "(image_url, audio_url, video_url parts) from; default: none, unlike vllm serve (see worker/media.py).")
-@option("allowed-local-media-path", default=None, help="A directory whose files file: media URLs may name; "
-        "default: none.")
-@option("scripted-tokens-per-second", default=0.0, type=float, help="Scripted engine pace (0: no pause).")
-@option("scripted-first-token-delay", default=0.0, type=float, help="Scripted engine delay, seconds.")
-@option("scripted-prefill-per-token", default=0.0, type=float, help="Scripted engine: seconds of prefill per "
-        "prompt token not in its simulated prefix cache (0: no cache, no prefill time).")
-@option("scripted-cache-blocks", default=100_000, type=click.IntRange(min=1), help="Scripted engine: blocks of 16 "
-        "tokens its simulated prefix cache holds (the least recently used go first), as a KV cache of that size.")
-@option("enable-prompt-tokens-details", is_flag=True, help="Report the prompt tokens found in the prefix cache "
-        "(usage.prompt_tokens_details.cached_tokens), as vllm serve's option of that name.")
-@option("steal-after-ms", default=10.0, type=float, help="With a free slot, take the requests that have waited "
-        "this many milliseconds in another (busy or stopped) worker's own queue.")
-@option("express-slots", default=0, type=click.IntRange(min=0), help="With every slot busy, start up to "
-        "this many more requests, only of API keys that have nothing else queued (fair share's express lane): "
-        "a light key's request starts at once instead of when the next request ends. The engine must have room "
-        "for them (vLLM: --max-num-seqs above --max-concurrency). 0: off.")
-@option("enable-log-requests", is_flag=True, help="Log one line per request at its end (id, tenant, model, "
-        "tokens, stage times, finish reason) on `llmfleet.requests`, as vllm serve's option of that name.")
-@option("kinds", default="", help="Comma-separated request kinds to accept (chat, completion, tokenize, "
-        "detokenize); default: every kind the engine answers. Gateways queue no other kind for the model "
-        "while no live worker accepts it.")
-def worker(model, engine, served_model_name, redis_url, max_concurrency, metrics_port, claim_idle, kinds,
-           steal_after_ms, express_slots, enable_log_requests, scripted_tokens_per_second, scripted_first_token_delay,
-           scripted_prefill_per_token, scripted_cache_blocks, enable_prompt_tokens_details, chat_template,
-           tool_call_parser, enable_auto_tool_choice, reasoning_parser, **engine_options) -> None:
+@settings_options(WorkerSettings)
+def worker(redis_url: str, **values) -> None:
     """Run a worker that serves one model from the Redis queue."""
     import uvloop
 
-    from worker.main import serve
+    from worker.main import build_adapter, serve
 
-    name = served_model_name or model
-    if engine == "scripted":
-        from worker.scripted import ScriptedAdapter
-
-        adapter = ScriptedAdapter(name, engine_options["max_model_len"] or 4096, scripted_tokens_per_second,
-                                  scripted_first_token_delay, scripted_prefill_per_token, scripted_cache_blocks,
-                                  engine_options["stream_interval"] or 1)
-    else:
-        from vllm import AsyncEngineArgs
-
-        from worker.vllm_adapter import VLLMAdapter
-
-        if reasoning_parser:  # the engine needs it too: structured outputs start after the reasoning
-            engine_options["reasoning_parser"] = reasoning_parser
-        if engine_options["allowed_media_domains"]:
-            engine_options["allowed_media_domains"] = [
-                domain.strip() for domain in engine_options["allowed_media_domains"].split(",") if domain.strip()]
-        engine_args = AsyncEngineArgs(model=model, served_model_name=name,
-                                      **{k: v for k, v in engine_options.items() if v is not None})
-        adapter = VLLMAdapter(engine_args, name, chat_template=_read(chat_template),
-                              tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice,
-                              reasoning_parser=reasoning_parser,
-                              enable_prompt_tokens_details=enable_prompt_tokens_details)
-    accepted = tuple(kind.strip() for kind in kinds.split(",") if kind.strip()) or adapter.kinds
-    if unknown := set(accepted) - set(adapter.kinds):
-        raise click.BadParameter(f"the {engine} engine cannot answer {', '.join(sorted(unknown))} requests; it "
-                                 f"answers {', '.join(adapter.kinds)}", param_hint="--kinds")
+    settings = settings_from(WorkerSettings, redis_url, values)
+    adapter = build_adapter(settings)
+    if unknown := set(settings.kinds) - set(adapter.kinds):
+        raise click.BadParameter(f"the {settings.engine} engine cannot answer {', '.join(sorted(unknown))} requests; "
+                                 f"it answers {', '.join(adapter.kinds)}", param_hint="--kinds")
     # uvloop, as `vllm serve` runs: the worker's loop relays every token of every request.
-    uvloop.run(serve(adapter, redis_url, max_concurrency, metrics_port, claim_idle, accepted, steal_after_ms / 1000,
-                     express_slots, enable_log_requests))
-
-
-def _read(path: str | None) -> str | None:
-    return Path(path).read_text() if path else None
+    uvloop.run(serve(settings, adapter))
 
 
 @main.command("tiny-model")

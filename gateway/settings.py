@@ -1,16 +1,17 @@
 """A gateway's settings and their defaults, in one place: `llmfleet gateway` builds its options
-from these fields (`--request-timeout` sets `request_timeout_s`, each with the help given here),
-so a new setting needs one line here and nothing in the CLI.
+from these fields (`--request-timeout` sets `request_timeout_s`, each with the help given here;
+llmfleet.py's `options_of`), the environment's `LLMFLEET_<OPTION>` reads the same, and the deploy
+files set only what they change. A new setting needs one line here and nothing in the CLI.
 
 A field with `help` is an option named after it, less a `_s` suffix, with dashes; a tuple takes
-a comma-separated list. `redis_url` comes from the shared Redis options; `gateway_id` is made at
-start. Keep this module free of heavy imports: the CLI reads it.
+a comma-separated list; a bool is a `--x/--no-x` flag. `redis_url` comes from the shared Redis
+options; `gateway_id` is made at start. Keep this module free of heavy imports: the CLI reads it.
 """
 
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -73,24 +74,3 @@ class GatewaySettings:
 
     def __post_init__(self) -> None:
         self.gateway_id = self.gateway_id or uuid.uuid4().hex[:12]
-
-
-def option_name(name: str) -> str:
-    """The CLI option of a setting: `request_timeout_s` -> `request-timeout`."""
-    return name.removesuffix("_s").replace("_", "-")
-
-
-def options() -> list[tuple[str, Any, str]]:
-    """(option name, default, help) of every setting the CLI offers, in order."""
-    return [(option_name(f.name), f.default, f.metadata["help"]) for f in fields(GatewaySettings) if f.metadata]
-
-
-def from_options(redis_url: str, values: dict[str, Any]) -> GatewaySettings:
-    """The settings from the CLI's values, keyed by option name with underscores (click's)."""
-    chosen: dict[str, Any] = {"redis_url": redis_url}
-    for f in fields(GatewaySettings):
-        value = values.get(option_name(f.name).replace("-", "_"))
-        if f.metadata and value is not None:
-            chosen[f.name] = tuple(v.strip() for v in value.split(",") if v.strip()) \
-                if isinstance(f.default, tuple) and isinstance(value, str) else value
-    return GatewaySettings(**chosen)

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tests.conftest import SCRIPTED_MODEL
-from worker.media import check_media_urls
+from worker.adapters.media import check_media_urls
 
 M = SCRIPTED_MODEL
 

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from shared.envelopes import RequestEnvelope, SamplingOptions
-from worker.scripted import ScriptedAdapter
+from worker.adapters.scripted import ScriptedAdapter
 
 
 def _request(max_tokens: int, stop: list[str] | None = None) -> RequestEnvelope:

@@ -25,10 +25,8 @@ import httpx
 import pytest
 
 from gateway import fleet
-from shared import keys
 from shared.stopping import CANCEL_WITHIN_S
 from tests.procs import Proc, start_gateway, start_redis, start_worker, wait_until_served
-from worker import consumer
 from worker import main as worker_main
 
 pytestmark = pytest.mark.integration
@@ -37,8 +35,7 @@ DRAIN_GRACE_S = 3.0
 UVICORN_GRACEFUL_S = 5.0  # timeout_graceful_shutdown in gateway/main.py
 GATEWAY_GRACE_S = (DRAIN_GRACE_S + UVICORN_GRACEFUL_S + fleet.STOP_GRACE_S + 2 * fleet.STOP_CANCEL_S
                    + fleet.REDIS_CLOSE_S)
-WORKER_GRACE_S = (consumer.CLAIM_STOP_S + consumer.STOP_CANCEL_S + keys.LEASE_TTL_S + consumer.ABORT_GRACE_S
-                  + consumer.STOP_CANCEL_S + consumer.DEREGISTER_S + worker_main.REDIS_CLOSE_S + 2 * CANCEL_WITHIN_S)
+WORKER_GRACE_S = worker_main.STOP_BOUND_S + 2 * CANCEL_WITHIN_S
 SLACK_S = 3.0  # process exit and a loaded machine's scheduling
 
 

@@ -49,10 +49,10 @@ from vllm.exceptions import VLLMError
 from vllm.renderers.online_renderer import OnlineRenderer
 from vllm.v1.engine.async_llm import AsyncLLM
 
-from shared.envelopes import KINDS, Candidate, GenerationChunk, RequestEnvelope, ToolCallDelta, Usage
+from shared.envelopes import Candidate, GenerationChunk, RequestEnvelope, ToolCallDelta, Usage
 from shared.errors import ErrorInfo, FleetError
-from worker.adapter import GenerationAdapter
-from worker.media import check_media_urls
+from worker.adapters.base import GENERATION_KINDS, TOKENIZER_KINDS, GenerationAdapter, TokenizerAdapter
+from worker.adapters.media import check_media_urls
 
 class _FirstToken:
     """When the engine's first output carrying a token came (wall clock; 0: not yet)."""
@@ -92,9 +92,11 @@ _FINISH_REASONS = {"abort": "cancelled"}  # vLLM's word for a cancelled request;
 _TOKENIZE = pydantic.TypeAdapter(TokenizeRequest)
 
 
-class VLLMAdapter(GenerationAdapter):
+class VLLMAdapter(GenerationAdapter, TokenizerAdapter):
+    """A generation engine with its tokenizer: chat, completion, tokenize, detokenize."""
+
     engine_name = "vllm"
-    kinds = KINDS
+    kinds = (*GENERATION_KINDS, *TOKENIZER_KINDS)
 
     def __init__(self, engine_args: AsyncEngineArgs, served_model_name: str | None = None, *,
                  chat_template: str | None = None, tool_call_parser: str | None = None,
@@ -164,19 +166,11 @@ class VLLMAdapter(GenerationAdapter):
         try:
             check_media_urls(request.body, self.engine_args.allowed_media_domains)
             result = await self._handle(request)
-        except pydantic.ValidationError as exc:
-            yield _validation_error(exc)
-            return
-        except (VLLMError, ValueError, TypeError, OverflowError, NotImplementedError) as exc:
-            yield _error_chunk(create_error_response(exc))
-            return
-        except FleetError as exc:
-            yield GenerationChunk(done=True, finish_reason="error", error=exc.to_info())
+        except Exception as exc:  # noqa: BLE001 - `_refusal` answers what vLLM's server answers, re-raises the rest
+            yield _refusal(exc)
             return
         if isinstance(result, ErrorResponse):
             yield _error_chunk(result)
-        elif request.kind in ("tokenize", "detokenize"):
-            yield GenerationChunk(done=True, finish_reason="stop", result=result.model_dump(mode="json"))
         elif isinstance(result, AsyncIterator):
             async for chunk in _StreamDecoder(request.kind, self.system_fingerprint).decode(result):
                 yield chunk
@@ -187,16 +181,25 @@ class VLLMAdapter(GenerationAdapter):
 
     async def _handle(self, request: RequestEnvelope) -> Any:
         """Validate the body with vLLM's request model and run `vllm serve`'s handler on it."""
-        body = request.body
+        model = ChatCompletionRequest if request.kind == "chat" else CompletionRequest
+        body = model.model_validate({**request.body, **_internal_fields(request)})
         if request.kind == "chat":
-            return await self.chat.create_chat_completion(
-                ChatCompletionRequest.model_validate({**body, **_internal_fields(request)}))
-        if request.kind == "completion":
-            return await self.completion.create_completion(
-                CompletionRequest.model_validate({**body, **_internal_fields(request)}))
-        if request.kind == "tokenize":
-            return await self.tokenization.create_tokenize(_TOKENIZE.validate_python(body), None)
-        return await self.tokenization.create_detokenize(DetokenizeRequest.model_validate(body), None)
+            return await self.chat.create_chat_completion(body)
+        return await self.completion.create_completion(body)
+
+    async def tokenize(self, request: RequestEnvelope) -> GenerationChunk:
+        """`vllm serve`'s /tokenize or /detokenize, on this engine's tokenizer."""
+        try:
+            if request.kind == "tokenize":
+                result = await self.tokenization.create_tokenize(_TOKENIZE.validate_python(request.body), None)
+            else:
+                result = await self.tokenization.create_detokenize(DetokenizeRequest.model_validate(request.body),
+                                                                   None)
+        except Exception as exc:  # noqa: BLE001 - as in `_generate`
+            return _refusal(exc)
+        if isinstance(result, ErrorResponse):
+            return _error_chunk(result)
+        return GenerationChunk(done=True, finish_reason="stop", result=result.model_dump(mode="json"))
 
 
 def _internal_fields(request: RequestEnvelope) -> dict[str, Any]:
@@ -205,6 +208,18 @@ def _internal_fields(request: RequestEnvelope) -> dict[str, Any]:
     if request.stream:
         fields["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
     return fields
+
+
+def _refusal(exc: Exception) -> GenerationChunk:
+    """The terminal chunk of a request vLLM's server refuses (as it words the refusal); an
+    exception it would not answer with a 4xx is re-raised, for the runner to fail the request."""
+    if isinstance(exc, pydantic.ValidationError):
+        return _validation_error(exc)
+    if isinstance(exc, (VLLMError, ValueError, TypeError, OverflowError, NotImplementedError)):
+        return _error_chunk(create_error_response(exc))
+    if isinstance(exc, FleetError):
+        return GenerationChunk(done=True, finish_reason="error", error=exc.to_info())
+    raise exc
 
 
 def _validation_error(exc: pydantic.ValidationError) -> GenerationChunk:

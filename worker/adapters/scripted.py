@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator
 
 from shared.envelopes import GenerationChunk, RequestEnvelope, Usage
 from shared.errors import InvalidRequest
-from worker.adapter import GenerationAdapter
+from worker.adapters.base import GenerationAdapter
 
 DEFAULT_MAX_TOKENS = 16
 BLOCK_TOKENS = 16  # vLLM's default block size
@@ -95,8 +95,9 @@ def _message_text(message: dict) -> str:
 
 
 class ScriptedAdapter(GenerationAdapter):
+    """Generation only: it has no tokenizer, so a worker running it answers no tokenize, detokenize."""
+
     engine_name = "scripted"
-    kinds = ("chat", "completion")  # no tokenizer: no tokenize, detokenize
 
     def __init__(
         self,
@@ -123,8 +124,6 @@ class ScriptedAdapter(GenerationAdapter):
             event.set()
 
     async def generate(self, request: RequestEnvelope) -> AsyncIterator[GenerationChunk]:
-        if request.kind not in ("chat", "completion"):
-            raise InvalidRequest(f"the scripted engine has no tokenizer: it cannot {request.kind}")
         prompts = script_words(request)
         params = request.params
         if (prompt_tokens := max(tokens for _words, tokens in prompts)) > self.max_model_len:

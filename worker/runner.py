@@ -1,0 +1,339 @@
+"""Running one claimed request through the engine, from its lease to its terminal chunk.
+
+Each request runs as a task of its own (`Runner.start`). It takes the request's lease and the
+cancel stashed for it while it waited, refuses it unstarted when it must not run (cancelled,
+past its deadline or queue timeout, half-sent by a worker that died), and otherwise dispatches
+on what the engine is: a generation (`GenerationAdapter`: chat, completion) or a tokenizer
+(`TokenizerAdapter`: tokenize, detokenize). A request of a kind this worker's engine is not, or
+that `--kinds` leaves out, is answered with a clear error. Deltas go to the publisher as they
+come; the terminal chunk goes out with the acknowledgement of the request's entry.
+
+Cancels reach a running request as `cancel(request_id, cause)`: the adapter aborts it, and a
+request that ignores its abort for ABORT_GRACE_S has its task cancelled. A request whose lease may
+have lapsed (`lease_lost`) is aborted too, and nothing more is published for it, neither chunks
+nor ending nor acknowledgement: the worker that takes it over answers it.
+
+Invariant: the terminal chunk is the last thing published for a request, exactly once, unless the
+lease was lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from redis.exceptions import RedisError
+
+from shared import keys, tracing
+from shared.envelopes import Candidate, GenerationChunk, RequestEnvelope, Usage
+from shared.errors import EngineError, FleetError, ServiceUnavailable, WorkerLost
+from shared.logs import REQUEST_ID
+from shared.redis_batch import BatchedRedis
+from worker import metrics
+from worker.adapters.aggregate import collect_candidates
+from worker.adapters.base import GENERATION_KINDS, TOKENIZER_KINDS, Adapter, GenerationAdapter, TokenizerAdapter
+from worker.leases import Leases
+from worker.publisher import ReplyPublisher
+
+log = logging.getLogger(__name__)
+request_log = logging.getLogger("llmfleet.requests")
+
+ABORT_GRACE_S = 2.0  # how long an aborted generation may take to yield its terminal chunk
+
+
+class Runner:
+    """The requests running on this worker, each in a task of its own."""
+
+    def __init__(self, adapter: Adapter, model: str, worker_id: str, kinds: tuple[str, ...], batched: BatchedRedis,
+                 publisher: ReplyPublisher, leases: Leases, *, log_requests: bool = False,
+                 on_engine_failure: Callable[[], None] = lambda: None):
+        self.adapter = adapter
+        self.model = model
+        self.worker_id = worker_id
+        self.kinds = kinds  # the kinds this worker answers (`--kinds`, or all its engine's)
+        self.batched = batched
+        self.publisher = publisher
+        self.leases = leases
+        self.log_requests = log_requests  # one info line per request at its end (`--enable-log-requests`)
+        self.on_engine_failure = on_engine_failure  # the engine raised: the worker checks whether it died
+        self.running: dict[str, asyncio.Task] = {}
+        self.cancel_requested: dict[str, str] = {}  # request id -> cause
+        self.completed = 0  # requests answered since the worker started
+        self.on_finished: Callable[[], None] = lambda: None  # a slot is free: the consumer may claim
+        self._progress: dict[str, _Progress] = {}
+        self._background: set[asyncio.Task] = set()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.running)
+
+    def start(self, stream: str, entry_id: str, request: RequestEnvelope, reclaimed: bool = False) -> None:
+        """Run a claimed request in a task of its own (not twice: a reclaim of one running here is ignored)."""
+        if request.request_id in self.running:
+            return
+        task = asyncio.create_task(self._run(stream, entry_id, request, reclaimed), name=request.request_id)
+        self.running[request.request_id] = task
+        task.add_done_callback(lambda _t, rid=request.request_id: self._finished(rid))
+
+    def spawn(self, job) -> None:
+        """Run `job` in the background, kept until it ends."""
+        task = asyncio.create_task(job)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _finished(self, request_id: str) -> None:
+        self.running.pop(request_id, None)
+        self.leases.forget(request_id)
+        self.publisher.release(request_id)
+        self.cancel_requested.pop(request_id, None)
+        metrics.IN_FLIGHT.labels(self.model).set(self.in_flight)
+        self.on_finished()
+
+    async def _run(self, stream: str, entry_id: str, request: RequestEnvelope, reclaimed: bool) -> None:
+        REQUEST_ID.set(request.client_request_id or request.request_id)  # this task's log lines (shared.logs)
+        metrics.IN_FLIGHT.labels(self.model).set(self.in_flight)
+        asked = time.monotonic()
+        queued = max(0.0, time.time() - request.arrival)
+        try:
+            lease, (stashed, streamed) = await asyncio.gather(
+                self.leases.take(request.request_id),
+                self.batched.pipeline(transaction=False)
+                .getdel(keys.cancelled_key(request.request_id))  # a cancel stashed while queued, consumed once
+                .exists(keys.streamed_key(request.request_id))
+                .execute())
+        except RedisError as exc:  # leave the entry pending, for a retry
+            log.warning("could not lease request %s (%s); leaving it for a retry", request.request_id, exc)
+            return
+        if not lease:
+            return  # its worker is alive and holds the lease (and owns any cancel that came meanwhile)
+        self.leases.hold(request.request_id, asked)
+        self.publisher.hold(request.request_id, lease)
+        if reclaimed:
+            metrics.RECLAIMED.labels(self.model).inc()
+        else:
+            metrics.QUEUE_TIME.labels(self.model).observe(queued)
+        terminal = self._refuse_unstarted(request, stashed, bool(streamed))
+        if terminal is None:
+            terminal = await self._answer(request)
+        if request.request_id in self.leases.lost:  # its answer is for the worker that took it over
+            return
+        await self._finish(stream, entry_id, request, terminal, queued, reclaimed)
+
+    async def _finish(self, stream: str, entry_id: str, request: RequestEnvelope, terminal: GenerationChunk,
+                      queued: float, reclaimed: bool) -> None:
+        """Count the request, log it, and publish its terminal chunk with the entry's acknowledgement."""
+        if self.cancel_requested.get(request.request_id) == "deadline":
+            _mark_deadline(terminal)
+        metrics.REQUESTS.labels(self.model, terminal.finish_reason or "unknown").inc()
+        terminal.timings = {**(terminal.timings or {}), "queue_s": queued, "finished_at": time.time()}
+        tracing.worker_generation(request.traceparent, terminal.timings, {
+            "llmfleet.model": self.model, "llmfleet.worker": self.worker_id, "llmfleet.request_id": request.request_id,
+            "llmfleet.finish_reason": terminal.finish_reason,
+            "llmfleet.completion_tokens": terminal.usage.completion_tokens if terminal.usage else None})
+        self._log(request, terminal, reclaimed)
+        if terminal.usage is not None:
+            metrics.GENERATED_TOKENS.labels(self.model).inc(terminal.usage.completion_tokens)
+        self.completed += 1
+        ack = (stream, entry_id, request.request_id)
+        if request.tenant and stream == keys.request_stream(self.model):  # perhaps a ticket's: its binding too
+            ack += (keys.bound_requests(self.model),)
+        await asyncio.shield(self.publisher.finish(request, terminal, ack))
+
+    def _log(self, request: RequestEnvelope, terminal: GenerationChunk, reclaimed: bool) -> None:
+        """The request's line: at info with `--enable-log-requests`, else at debug."""
+        level = logging.INFO if self.log_requests else logging.DEBUG
+        if not request_log.isEnabledFor(level):
+            return
+        usage, timings = terminal.usage, terminal.timings
+        request_log.log(level, "request %s %s", request.request_id, terminal.finish_reason, extra={"fields": {
+            "request": request.request_id, "tenant": request.tenant, "model": self.model,
+            "finish_reason": terminal.finish_reason, "error": terminal.error.code if terminal.error else None,
+            "prompt_tokens": usage.prompt_tokens if usage else None,
+            "completion_tokens": usage.completion_tokens if usage else None,
+            "queue_s": timings.get("queue_s"), "prefill_s": timings.get("prefill_s"),
+            "decode_s": timings.get("decode_s"), "reclaimed": reclaimed or None}})
+
+    def _refuse_unstarted(self, request: RequestEnvelope, stashed: bytes | None,
+                          streamed: bool) -> GenerationChunk | None:
+        """The terminal chunk of a request that must not start (cancelled, stale, half-sent)."""
+        if streamed:  # a dead worker already sent part of it: running it again would repeat output
+            return _error_terminal(WorkerLost("The worker generating this response stopped mid-stream; "
+                                              "retry the request."))
+        cause = stashed.decode() if stashed else self.cancel_requested.get(request.request_id)
+        if cause is not None:
+            metrics.CANCELS.labels(self.model, cause, "queued").inc()
+            return _cancelled_terminal(request)
+        if request.kind not in self.kinds:  # queued by a gateway that did not know this worker yet
+            return _error_terminal(ServiceUnavailable(
+                f"The worker that took this request serves only {', '.join(self.kinds)} requests of "
+                f"`{self.model}`, not {request.kind}; retry the request.", code="kind_not_served"))
+        waited = time.time() - request.arrival
+        if request.deadline and time.time() > request.deadline:  # the client's own `timeout` ran out
+            metrics.CANCELS.labels(self.model, "deadline", "queued").inc()
+            terminal = _cancelled_terminal(request)
+            _mark_deadline(terminal)
+            return terminal
+        if request.queue_deadline and time.time() > request.queue_deadline:
+            metrics.QUEUE_TIMEOUTS.labels(self.model).inc()
+            return _error_terminal(ServiceUnavailable(
+                f"The request waited {waited:.1f}s in the queue, past its queue timeout; the fleet is "
+                "overloaded, retry later.", code="queue_timeout"))
+        return None
+
+    async def _answer(self, request: RequestEnvelope) -> GenerationChunk:
+        """The request's terminal chunk, from the adapter of its kind of work."""
+        adapter = self.adapter
+        if request.kind in GENERATION_KINDS and isinstance(adapter, GenerationAdapter):
+            return await self._generate(adapter, request)
+        if request.kind in TOKENIZER_KINDS and isinstance(adapter, TokenizerAdapter):
+            return await self._whole(adapter.tokenize(request))
+        return _error_terminal(EngineError(f"The {type(adapter).__name__} engine of `{self.model}` cannot answer "
+                                           f"{request.kind} requests."))
+
+    async def _whole(self, answering) -> GenerationChunk:
+        """An answer that is one chunk: an engine failure fails the request, not the worker."""
+        try:
+            return await answering
+        except FleetError as exc:
+            return _error_terminal(exc)
+        except Exception as exc:  # noqa: BLE001 - an engine bug must fail this request, not the worker
+            log.exception("request failed")
+            self.on_engine_failure()
+            return _error_terminal(EngineError(f"the engine failed: {exc}"))
+
+    async def _generate(self, adapter: GenerationAdapter, request: RequestEnvelope) -> GenerationChunk:
+        """Run the generation, publishing deltas; return the terminal chunk (not yet published)."""
+        chunks = self._observe(adapter, request, adapter.generate(request))
+        deadline = None
+        if request.deadline:
+            delay = max(0.0, request.deadline - time.time())
+            deadline = asyncio.get_running_loop().call_later(
+                delay, lambda: self.spawn(self.cancel(request.request_id, "deadline")))
+        try:
+            if not request.stream:
+                return await collect_candidates(chunks, request.choice_count)
+            async for chunk in chunks:
+                if chunk.done:
+                    return chunk
+                self.publisher.publish(request, chunk)
+            raise EngineError("the engine ended the generation without a terminal chunk")
+        except FleetError as exc:
+            return _error_terminal(exc)
+        except asyncio.CancelledError:
+            if request.request_id in self.cancel_requested:  # forced after an ignored abort
+                return _cancelled_terminal(request)
+            raise
+        except Exception as exc:  # noqa: BLE001 - an engine bug must fail this request, not the worker
+            log.exception("request %s failed", request.request_id)
+            self.on_engine_failure()
+            return _error_terminal(EngineError(f"generation failed: {exc}"))
+        finally:
+            if deadline is not None:
+                deadline.cancel()
+            await chunks.aclose()
+
+    async def _observe(self, adapter: GenerationAdapter, request: RequestEnvelope,
+                       chunks: AsyncIterator[GenerationChunk]) -> AsyncIterator[GenerationChunk]:
+        """Pass chunks through, tracking the phase and tokens a cancel would interrupt."""
+        request_id = request.request_id
+        state = self._progress[request_id] = _Progress()
+        try:
+            async for chunk in chunks:
+                state.tokens += chunk.token_count
+                if chunk.first_token:
+                    state.first_token(chunk.first_token_at)
+                    metrics.PREFILL_TIME.labels(self.model).observe(state.first_token_at - state.started)
+                if chunk.done:
+                    chunk.timings = state.timings(self.model)
+                if request_id in self.cancel_requested and not state.reaborted:
+                    # The abort may have reached the adapter before the engine knew the request.
+                    state.reaborted = True
+                    await adapter.abort(request_id)
+                if chunk.done and state.tokens_at_cancel is not None:
+                    self._record_abort(request, state)
+                yield chunk
+        finally:
+            self._progress.pop(request_id, None)
+            await chunks.aclose()
+
+    def _record_abort(self, request: RequestEnvelope, state: _Progress) -> None:
+        stopped = time.time()
+        latency = stopped - state.cancel_sent_at
+        metrics.TOKENS_AFTER_CANCEL.labels(self.model).inc(state.tokens - state.tokens_at_cancel)
+        metrics.CANCEL_LATENCY.labels(self.model).observe(latency)
+        log.info("aborted request %s: engine stopped at %.6f, %.1f ms after the cancel was sent, "
+                 "%d tokens after it", request.request_id, stopped, latency * 1000,
+                 state.tokens - state.tokens_at_cancel)
+
+    def lease_lost(self, request_id: str) -> None:
+        """Another worker may own the request now: publish nothing more for it, and stop it here."""
+        self.publisher.drop(request_id)
+        self.spawn(self.cancel(request_id, "lease_lost"))
+
+    async def cancel(self, request_id: str, cause: str, sent_at: float = 0.0) -> None:
+        """Abort a running request; force it if the adapter does not end it in time."""
+        task = self.running.get(request_id)
+        if task is None or request_id in self.cancel_requested:
+            return
+        self.cancel_requested[request_id] = cause
+        state = self._progress.get(request_id)
+        if state is not None:
+            state.tokens_at_cancel = state.tokens
+            state.cancel_sent_at = sent_at or time.time()
+            metrics.CANCELS.labels(self.model, cause, state.phase).inc()
+        if isinstance(self.adapter, GenerationAdapter):
+            await self.adapter.abort(request_id)
+        done, _ = await asyncio.wait({task}, timeout=ABORT_GRACE_S)
+        if not done:
+            log.warning("request %s ignored its abort; cancelling its task", request_id)
+            task.cancel()
+
+
+@dataclass(slots=True)
+class _Progress:
+    phase: str = "prefill"
+    tokens: int = 0
+    started: float = field(default_factory=time.monotonic)
+    first_token_at: float = 0.0  # monotonic
+    first_token_wall: float = 0.0
+    tokens_at_cancel: int | None = None
+    cancel_sent_at: float = 0.0
+    reaborted: bool = False
+
+    def first_token(self, at: float) -> None:
+        """The engine's first token came now, or at wall-clock time `at` when the adapter knows it
+        came earlier (a whole response arrives as one chunk at its end)."""
+        self.phase = "decode"
+        wall = time.time()
+        self.first_token_wall = min(at, wall) if at else wall
+        self.first_token_at = time.monotonic() - (wall - self.first_token_wall)
+
+    def timings(self, model: str) -> dict[str, float]:
+        """Prefill and decode times at the end of a generation, also observed in the histograms."""
+        now = time.monotonic()
+        if not self.first_token_at:  # nothing generated: it all was prefill
+            return {"prefill_s": now - self.started, "decode_s": 0.0}
+        metrics.DECODE_TIME.labels(model).observe(now - self.first_token_at)
+        return {"prefill_s": self.first_token_at - self.started, "decode_s": now - self.first_token_at,
+                "first_token_at": self.first_token_wall}
+
+
+def _cancelled_terminal(request: RequestEnvelope) -> GenerationChunk:
+    candidates = None if request.stream else [Candidate(i, finish_reason="cancelled")
+                                              for i in range(request.choice_count)]
+    return GenerationChunk(done=True, finish_reason="cancelled", usage=Usage(), candidates=candidates)
+
+
+def _mark_deadline(terminal: GenerationChunk) -> None:
+    """Say why a request was cut short: it ran out of time."""
+    terminal.stop_reason = "deadline"
+    for candidate in terminal.candidates or ():
+        if candidate.finish_reason == "cancelled":
+            candidate.stop_reason = "deadline"
+
+
+def _error_terminal(error: FleetError) -> GenerationChunk:
+    return GenerationChunk(done=True, finish_reason="error", error=error.to_info())
