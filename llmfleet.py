@@ -170,7 +170,7 @@ def _with_key_store(redis_url: str, action):
     """Run `action(KeyStore)` on a short-lived Redis client; return its result."""
     import asyncio
 
-    from gateway.keys import KeyStore
+    from gateway.fleet.api_keys import KeyStore
     from shared import redis_pool
 
     async def run():
@@ -205,7 +205,7 @@ def _table(rows: list[dict], columns: list[str]) -> None:
 def create_key(name: str, rpm: int, tpm: int, max_parallel: int, max_tokens: int, priority: str, models: str,
                expires_in: int, redis_url: str) -> None:
     """Make a key; its secret is printed once, alone on the last line, and never stored."""
-    from gateway.keys import NAME, ApiKey, KeyExists, digest, new_secret
+    from gateway.fleet.api_keys import NAME, ApiKey, KeyExists, digest, new_secret
 
     if not NAME.fullmatch(name):
         raise click.BadParameter("1 to 64 letters, digits, '.', '_' or '-'", param_hint="--name")

@@ -31,7 +31,7 @@ import time
 import uuid
 
 from bench.common import RESULTS, Stack, percentile, progress, save
-from gateway.fleet import Fleet
+from gateway.fleet.runs import Fleet
 from shared.envelopes import RequestEnvelope, SamplingOptions
 from tests.procs import in_process_fleet, start_worker
 from tests.test_fair_share import submitted

@@ -21,7 +21,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from gateway.app import create_app
-from gateway.fleet import GatewaySettings
+from gateway.settings import GatewaySettings
 from shared import tracing
 
 log = logging.getLogger(__name__)

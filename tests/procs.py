@@ -262,7 +262,8 @@ def metric_value(url: str, name: str, **labels: str) -> float:
 async def in_process_fleet(redis_url: str, **settings):
     """A gateway's `Fleet` running in this process (no HTTP), its reply stream read, for tests and
     benchmarks that drive `Fleet.submit` themselves; stopped on exit."""
-    from gateway.fleet import Fleet, GatewaySettings
+    from gateway.fleet.runs import Fleet
+    from gateway.settings import GatewaySettings
 
     fleet = Fleet(GatewaySettings(redis_url=redis_url, **settings))
     await fleet.start()

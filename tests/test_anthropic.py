@@ -112,7 +112,7 @@ def test_the_chat_request_is_the_one_vllm_serve_builds(name):
     from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-    from gateway.anthropic.protocol import MessagesRequest
+    from gateway.api.anthropic.protocol import MessagesRequest
 
     body = {"model": "m", "max_tokens": 50, **CONVERSATIONS[name]}
     theirs = serving.AnthropicServingMessages.to_chat_completion_request(

@@ -16,7 +16,7 @@ import uuid
 import httpx
 import pytest
 
-from gateway.fleet import Fleet, Run
+from gateway.fleet.runs import Fleet
 from shared import keys
 from shared.envelopes import GenerationChunk, RequestEnvelope, SamplingOptions
 from shared.errors import Overloaded
@@ -50,21 +50,9 @@ def envelope(model: str, tenant: str = "", priority: str = "normal", max_tokens:
 
 @contextlib.asynccontextmanager
 async def submitted(fleet: Fleet, request: RequestEnvelope):
-    """`fleet.submit`'s run, for the time of the block: as an `async with` (the one owner of a
-    request's life), or, where `submit` is still a coroutine, closed on the way out."""
-    submit = fleet.submit(request)
-    if hasattr(submit, "__aenter__"):
-        async with submit as run:
-            yield run
-        return
-    run: Run = await submit
-    try:
+    """`fleet.submit`'s run, for the time of the block (the one owner of its registration)."""
+    async with fleet.submit(request) as run:
         yield run
-    finally:
-        if run.finished:
-            await run.release()
-        else:
-            run.close()
 
 
 async def follow(fleet: Fleet, request: RequestEnvelope, queued: asyncio.Event,

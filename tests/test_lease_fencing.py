@@ -14,7 +14,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from gateway import metrics
-from gateway.fleet import Fleet, Run
+from gateway.fleet.runs import Fleet, Run
 from shared import keys
 from shared.codec import decode
 from shared.envelopes import ChunkEnvelope, GenerationChunk, RequestEnvelope
@@ -34,8 +34,7 @@ def _request(fleet: Fleet) -> RequestEnvelope:
 def _run(fleet: Fleet, request: RequestEnvelope) -> Run:
     """A run followed on the fleet's reply stream, outside `Fleet.submit` (nothing is queued:
     the tests publish its replies themselves), with nothing to do at its end."""
-    return Run(request, fleet.router.open(request.request_id), fleet.registry,
-               end=lambda _run: asyncio.ensure_future(asyncio.sleep(0)))
+    return Run(request, fleet.router.open(request.request_id), fleet.registry)
 
 
 def _publisher(redis: aioredis.Redis, worker_id: str, request: RequestEnvelope, lease: int) -> ReplyPublisher:

@@ -11,7 +11,7 @@ import uuid
 import msgpack
 import redis.asyncio as aioredis
 
-from gateway.relay import READ_BLOCK_MS, ReplyRouter
+from gateway.fleet.relay import READ_BLOCK_MS, ReplyRouter
 from shared import keys
 from shared.codec import decode, decode_batch, encode, encode_batch
 from shared.envelopes import ChunkEnvelope, GenerationChunk, RequestEnvelope

@@ -359,7 +359,8 @@ def test_a_session_past_its_bounds_refuses_the_turn(http):
 
 def test_discard_thinking_keeps_reasoning_out_of_the_history(fleet):
     """In process, with the gateway's store on the test's Redis: the scripted engine has no reasoning."""
-    from gateway.sessions import AssistantTurn, SessionStore
+    from gateway.api.sessions import AssistantTurn
+    from gateway.fleet.sessions import SessionStore
     from gateway.settings import GatewaySettings
     from shared.envelopes import GenerationChunk, RequestEnvelope
 
@@ -372,12 +373,12 @@ def test_discard_thinking_keeps_reasoning_out_of_the_history(fleet):
         assert await store.write(session_id, []) == "ok"
         envelope = RequestEnvelope(request_id=uuid.uuid4().hex, model=MODEL, kind="chat", reply_to="",
                                    arrival=time.time(), deadline=time.time() + 30)
-        running = await store.begin_turn(session_id, envelope, [user("why")], discard)
+        running = await store.begin_turn(session_id, envelope, [user("why")])
         answer = AssistantTurn()
         for chunk in (GenerationChunk(text=None, reasoning="let me think"), GenerationChunk(text="because"),
                       GenerationChunk(done=True)):
             answer.add(chunk)
-        await running.end(answer)
+        await running.end(answer.message(discard))
         messages = await store.history(session_id)
         await client.aclose()
         return messages[-1]

@@ -17,7 +17,7 @@ import uuid
 
 import pytest
 
-from gateway.fleet import Fleet
+from gateway.fleet.runs import Fleet
 from shared import keys, redis_pool
 from shared.envelopes import RequestEnvelope, SamplingOptions
 from tests.procs import in_process_fleet, start_redis, wait_for
@@ -134,15 +134,16 @@ async def test_a_detached_run_cancelled_before_its_first_step_still_ends(redis_u
     """A resumable run's relay task owns its ending from its first step; cancelled before that (the
     gateway stopping at once), its done callback ends the run instead: route closed, the run
     unregistered and cancelled, the event log ended, nothing left in `fleet.detached`."""
-    from gateway.openai.chat import ChatFormatter
-    from gateway.protocol import ChatCompletionRequest
-    from gateway.streams import DetachedRun
+    from gateway.api.openai.chat import ChatFormatter
+    from gateway.api.openai.protocol import ChatCompletionRequest
+    from gateway.serve.life import RequestLife
+    from gateway.serve.resumable import DetachedRun
 
     request = envelope(f"life-{uuid.uuid4().hex[:8]}")
     request.stream = True
     body = ChatCompletionRequest(model=request.model, messages=request.body["messages"], stream=True)
     async with in_process_fleet(redis_url) as fleet:
-        detached = DetachedRun(fleet, request, ChatFormatter(body, request))
+        detached = DetachedRun(fleet, RequestLife(fleet, request, "chat"), ChatFormatter(body, request))
         await detached.start()
         detached.task.cancel()  # before the loop runs it: its coroutine never starts
         with pytest.raises(asyncio.CancelledError):
@@ -159,7 +160,7 @@ async def test_a_detached_run_cancelled_before_its_first_step_still_ends(redis_u
 async def test_a_stream_whose_client_is_gone_before_its_first_byte_still_ends_its_run(failure):
     """An SSE body that owns a run ends it on every way out; a body never started would never
     run its ending, so the response enters it before it sends anything."""
-    from gateway.serving import SSEResponse
+    from gateway.serve.sse import SSEResponse
 
     ended = asyncio.Event()
 

@@ -24,7 +24,7 @@ import uuid
 import httpx
 import pytest
 
-from gateway import fleet
+from gateway.fleet import runs as fleet
 from shared.stopping import CANCEL_WITHIN_S
 from tests.procs import Proc, start_gateway, start_redis, start_worker, wait_until_served
 from worker import main as worker_main

@@ -10,8 +10,8 @@ from __future__ import annotations
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.anthropic import errors as anthropic_errors
-from gateway.errors import error_body
+from gateway.http import anthropic_errors
+from gateway.http.errors import error_body
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 

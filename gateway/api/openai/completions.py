@@ -6,10 +6,11 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from gateway.fleet import GatewaySettings
-from gateway.protocol import DEFAULT_MAX_TOKENS, CompletionRequest, cap_output, check_sampling
-from gateway.registry import ModelView
-from gateway.serving import Formatter, generation_route, new_envelope, output_ceiling, request_json, usage_body
+from gateway.api.openai.protocol import DEFAULT_MAX_TOKENS, CompletionRequest, cap_output, check_sampling
+from gateway.fleet.registry import ModelView
+from gateway.serve.formatter import Formatter, usage_body
+from gateway.serve.generation import generation_route, new_envelope, output_ceiling, request_json
+from gateway.settings import GatewaySettings
 from shared.envelopes import GenerationChunk, RequestEnvelope
 
 router = APIRouter()

@@ -8,8 +8,9 @@ tokens, time to first token, the worker), so the count needs nothing passed thro
 routes. A streaming body runs in a child task, which shares the dict.
 
 With `--enable-log-requests` (as `vllm serve` has it), each generation request also gets one
-line of its own at its end, on the `llmfleet.requests` logger: its ids, tenant, model, tokens,
-stage times and outcome. Off by default: the access line alone is the default.
+line of its own at its end (`log_request`, from its life's end, gateway/serve/life.py), on the
+`llmfleet.requests` logger: its ids, tenant, model, tokens, stage times and outcome. Off by
+default: the access line alone is the default.
 
 It also gives each request its id: the client's `X-Request-Id` (if it is a sane token) or a new
 one, echoed on the response, carried to the worker in the envelope, and on every log line
@@ -67,7 +68,7 @@ class CountResponses:
             return
         started = time.monotonic()
         request_id = _request_id(scope)
-        facts: dict[str, Any] = {}
+        facts: dict[str, Any] = {"log_request": self.log_requests}
         token = _facts.set(facts)
         id_token = REQUEST_ID.set(request_id)
         id_header = (b"x-request-id", request_id.encode())
@@ -91,8 +92,6 @@ class CountResponses:
             raise
         finally:
             _account(scope, facts, time.monotonic() - started)
-            if self.log_requests and "engine_request_id" in facts:
-                _log_request(facts, time.monotonic() - started)
             if span is not None:
                 _end_span(span, facts, request_id)
             REQUEST_ID.reset(id_token)
@@ -133,8 +132,11 @@ def _account(scope: Scope, facts: dict[str, Any], elapsed: float) -> None:
             "cancel": facts.get("cancel"), "request": facts.get("engine_request_id")}})
 
 
-def _log_request(facts: dict[str, Any], elapsed: float) -> None:
-    """The request log's line: one per generation request, at its end."""
+def log_request(elapsed: float) -> None:
+    """The request log's line of the request being served, at its end (`--enable-log-requests`)."""
+    facts = _facts.get(None)
+    if not facts or not facts.get("log_request") or not request_log.isEnabledFor(logging.INFO):
+        return
     status = facts.get("status") or facts.get("sent_status") or 500
     worker = facts.get("worker_timings") or {}
     outcome = ("cancelled" if facts.get("cancel") else facts.get("finish_reason") or "ok") if status == 200 \

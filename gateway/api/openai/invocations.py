@@ -8,10 +8,10 @@ import pydantic
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from gateway.errors import error_body, json_response
-from gateway.openai.chat import create_chat_completion
-from gateway.openai.completions import create_completion
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.api.openai.chat import create_chat_completion
+from gateway.api.openai.completions import create_completion
+from gateway.api.openai.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.http.errors import error_body, json_response
 
 router = APIRouter()
 

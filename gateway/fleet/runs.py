@@ -1,8 +1,14 @@
-"""The gateway's view of the fleet: submit a request, follow its chunks, cancel it.
+"""Runs: requests submitted to the fleet and followed to their end; `Fleet`, the Redis side that makes them.
 
-`Fleet` owns the process-wide pieces (Redis client, `ReplyRouter`, `WorkerRegistry`) and the
-background tasks that run them. `Run` is one submitted request: an async iterator over its
-chunks that, if closed before the terminal chunk, tells the workers to stop.
+`Fleet` owns the process-wide pieces, built once at start: the Redis client, the `ReplyRouter`
+(replies), the `WorkerRegistry`, the cancel registry, the rate limiter and the stores (API keys,
+sessions, stored Responses), and the background tasks that run them. `Fleet.submit` is the one
+owner of a request's registration: it admits it against its key's limits, registers it for
+cancels, queues it, and on the way out, on every path, unregisters it (cancelling it first on its
+worker if it had not ended) and frees its key's place in flight. `Run` is one submitted request:
+an async iterator over its chunks that, if closed before the terminal chunk, tells the workers to
+stop. (What the request's end means to the client, its metrics and its stored history is
+gateway/serve/life.py's.)
 """
 
 from __future__ import annotations
@@ -11,17 +17,20 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn, Protocol
 
 from redis.exceptions import RedisError
 
 from gateway import metrics
-from gateway.cancel import CancelRegistry, cancel_groups
-from gateway.ratelimit import Grant, RateLimits
-from gateway.registry import ModelView, WorkerRegistry
-from gateway.relay import ReplyRouter
+from gateway.fleet.api_keys import KeyStore
+from gateway.fleet.cancels import CancelRegistry, cancel_groups
+from gateway.fleet.rate_limits import Grant, KeyUse, RateLimits
+from gateway.fleet.registry import ModelView, WorkerRegistry
+from gateway.fleet.relay import ReplyRouter
+from gateway.fleet.responses import ResponseStore
+from gateway.fleet.sessions import SessionStore
 from gateway.settings import GatewaySettings
 from shared import affinity, fair_queue, keys, redis_pool
 from shared.codec import encode
@@ -29,9 +38,6 @@ from shared.envelopes import Candidate, ChunkEnvelope, GenerationChunk, RequestE
 from shared.errors import FleetError, InvalidRequest, Overloaded, ServiceUnavailable, WorkerLost, error_from_info
 from shared.redis_batch import BatchedRedis
 from shared.stopping import stop_tasks, within
-
-if TYPE_CHECKING:
-    from gateway.streams import DetachedRun
 
 log = logging.getLogger(__name__)
 
@@ -48,20 +54,19 @@ REDIS_CLOSE_S = 2.0
 class Run:
     """One request in flight, owned by `Fleet.submit`: iterate `chunks()` once. `close(reason)`
     says the caller is done with it (the reason is the cancel's cause if it has not ended); the
-    owner does the rest when its `async with` ends. `release()` ends a complete answer early."""
+    owner does the rest when its `async with` ends, or earlier when asked (`Fleet.end`)."""
 
     def __init__(self, envelope: RequestEnvelope, replies: asyncio.Queue[ChunkEnvelope | None],
-                 registry: WorkerRegistry, end: Callable[[Run], asyncio.Task]):
+                 registry: WorkerRegistry):
         self.envelope = envelope
         self.request_id = envelope.request_id
         self._replies = replies
         self._registry = registry
-        self._end = end  # the owner's ending: close the route, unregister (cancel first if unended)
         self.finished = False
         self.closed = False
         self.closed_at = 0.0
         self.cancel_reason: str | None = None  # set by `close` if the run had not ended
-        self.grant: Grant | None = None  # its API key's limits and usage (gateway/ratelimit.py), if it has one
+        self.grant: Grant | None = None  # its API key's limits and usage (gateway/fleet/rate_limits.py), if any
         self.ending: asyncio.Task | None = None  # the unregistering, once the owner began it
         self.unreachable = False  # Redis failed while registering it: nothing to unregister
         self.worker_id = ""
@@ -143,13 +148,11 @@ class Run:
         self.finished = True
         self.closed_at = time.time()
 
-    async def release(self) -> None:
-        """End a run whose answer is complete, and wait until it is unregistered, before the
-        client can read the end of the answer: a cancel sent right after it must find nothing
-        (and say 0 cancelled), which the owner's background unregistering alone can lose to a
-        fast client."""
-        if self.finished:
-            await asyncio.shield(self._end(self))  # done even if the client goes away now
+
+class Detached(Protocol):
+    """A run no client holds (gateway/serve/resumable.py), owned by its task."""
+
+    task: asyncio.Task | None
 
 
 class Fleet:
@@ -162,16 +165,20 @@ class Fleet:
         self.registry = WorkerRegistry(self.redis, settings.models)
         # Per-request commands share pipelines; the router's blocking read keeps its own connection.
         # A finished run is unregistered before its client reads the end of the answer
-        # (`Run.release` awaits it), so a cancel sent right after the answer finds nothing.
+        # (`end`, awaited by gateway/serve/life.py), so a cancel sent right after it finds nothing.
         self.batched = BatchedRedis(self.redis)
         self.cancels = CancelRegistry(self.batched)
         self.limits = RateLimits(self.batched, settings.rate_window_s)
+        self.keys = KeyStore(self.batched)
+        self.sessions = SessionStore(self.redis, settings)
+        self.responses = ResponseStore(self.redis, int(settings.response_store_ttl_s),
+                                       settings.response_store_max_bytes, settings.response_store_max_entries)
         self._enqueue_script = self.batched.register_script(fair_queue.ENQUEUE)
         self._route_script = self.batched.register_script(affinity.ROUTE)
         self.draining = False
         self._loops: list[asyncio.Task] = []
         self._tasks: set[asyncio.Task] = set()  # one-off jobs: the unregistering of runs, cancels
-        self.detached: dict[str, DetachedRun] = {}  # runs no client holds, by response id (gateway/streams.py)
+        self.detached: dict[str, Detached] = {}  # runs no client holds, by response id
 
     async def start(self) -> None:
         self._loops = [asyncio.create_task(job, name=job.__qualname__) for job in (
@@ -215,22 +222,23 @@ class Fleet:
             return False
 
     @asynccontextmanager
-    async def submit(self, envelope: RequestEnvelope) -> AsyncIterator[Run]:
-        """The one owner of a request's life here: `async with fleet.submit(envelope) as run:`
-        opens its reply route, registers it and queues it for its model's workers; on the way
-        out, on every path (an error, a cancel at any await, a client gone), it closes the route
-        and unregisters it, cancelling it on its worker first if it had not ended."""
+    async def submit(self, envelope: RequestEnvelope, key: KeyUse | None = None) -> AsyncIterator[Run]:
+        """The one owner of a request's registration here: `async with fleet.submit(envelope) as run:`
+        admits it against its key's limits, opens its reply route, registers it and queues it for
+        its model's workers; on the way out, on every path (an error, a cancel at any await, a
+        client gone), it closes the route and unregisters it, cancelling it on its worker first if
+        it had not ended."""
         self._check_open(envelope)
-        grant = await self.limits.admit(envelope)  # its key's limits (404, 429), before anything is registered
+        grant = await self.limits.admit(envelope, key)  # its key's limits (404, 429), before anything is registered
         envelope.reply_to = self.router.stream
-        run = Run(envelope, self.router.open(envelope.request_id), self.registry, self._end)
+        run = Run(envelope, self.router.open(envelope.request_id), self.registry)
         run.grant = grant  # released by the run's ending, on every path
         try:
             await self._queue(run)
             yield run
         finally:
             run.close()
-            self._end(run)
+            self.end(run)
 
     def _check_open(self, envelope: RequestEnvelope) -> None:
         if self.draining:
@@ -269,9 +277,10 @@ class Fleet:
             raise
         metrics.SUBMITTED.labels(envelope.model).inc()
 
-    def _end(self, run: Run) -> asyncio.Task:
+    def end(self, run: Run) -> asyncio.Task:
         """Close the run's route and unregister it (cancelling it first if it had not ended), in
-        the background, since callers are often being cancelled themselves. Once per run."""
+        the background, since callers are often being cancelled themselves. Once per run: the
+        task is the same whoever asks (the owner's exit, or the request's end awaiting it)."""
         if run.ending is None:
             run.close()
             self.router.close(run.request_id)

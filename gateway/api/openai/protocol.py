@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from gateway.http.errors import FieldRuleError, openai_rule
 from shared.envelopes import SamplingOptions
 from shared.errors import InvalidRequest
 
@@ -29,23 +30,6 @@ MAX_N = 128
 MAX_PROMPTS = int(os.environ.get("VLLM_MAX_COMPLETION_PROMPTS", "1024"))
 MAX_LOGIT_BIAS_ENTRIES = 1024
 DEFAULT_MAX_TOKENS = 16  # of a completion that sets none, as vLLM has it
-
-
-class FieldRuleError(ValueError):
-    """A schema rule broken by a request; `param` names the field, as vLLM does. A rule of OpenAI's
-    that vLLM does not check answers in OpenAI's words: `err_type` invalid_request_error, no code."""
-
-    def __init__(self, message: str, param: str | None = None, *, err_type: str = "BadRequestError",
-                 code: str | int | None = 400):
-        super().__init__(message)
-        self.param = param
-        self.err_type = err_type
-        self.code = code
-
-
-def openai_rule(message: str, param: str) -> FieldRuleError:
-    """A rule the OpenAI API checks and `vllm serve` does not (docs/compatibility.md)."""
-    return FieldRuleError(message, param, err_type="invalid_request_error", code=None)
 
 
 class OpenAIModel(BaseModel):

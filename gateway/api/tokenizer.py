@@ -9,9 +9,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from gateway.errors import json_response
-from gateway.protocol import TokenizerRequest
-from gateway.serving import new_envelope, request_json
+from gateway.api.openai.protocol import TokenizerRequest
+from gateway.http.errors import json_response
+from gateway.serve.generation import ask_worker, new_envelope, request_json
 
 router = APIRouter()
 
@@ -20,9 +20,7 @@ async def _ask_worker(kind: str, body: TokenizerRequest, request: Request) -> Re
     fleet = request.app.state.fleet
     view = await fleet.registry.resolve(body.model)
     envelope = new_envelope(await request_json(request), kind, view.name, fleet.settings)
-    async with fleet.submit(envelope) as run:
-        answer, _ = await run.first_or_error()
-    return json_response(answer.result)
+    return json_response((await ask_worker(fleet, envelope)).result)
 
 
 @router.post("/tokenize")

@@ -7,7 +7,7 @@ worker serves it as kind "chat"; `ResponsesFormatter` renders the typed chunks i
 events (vLLM's `SimpleStreamingEventProcessor`: one output item per reasoning, text or tool call
 run, opened and closed as the delta's kind changes), or into one Response object.
 
-State lives in Redis (`response_store.py`), so every replica answers for every response:
+State lives in Redis (gateway/fleet/responses.py), so every replica answers for every response:
 `previous_response_id` continues a conversation stored by another gateway, and retrieve, delete,
 cancel and resuming a background stream work anywhere. Where `vllm serve` differs (its store is a
 per-process dict, off by default), docs/parity.md says how.
@@ -16,7 +16,6 @@ per-process dict, off by default), docs/parity.md says how.
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -24,14 +23,18 @@ from fastapi import APIRouter, Query, Request
 from pydantic import Field, model_validator
 from starlette.responses import Response, StreamingResponse
 
-from gateway import streams, tenancy
-from gateway.errors import error_body, json_response
-from gateway.fleet import Fleet
-from gateway.openai.response_store import ResponseStore, StoredResponse
-from gateway.protocol import FieldRuleError, OpenAIModel, cap_output, check_sampling
-from gateway.serving import Formatter, new_envelope, output_ceiling, request_json, serve_generation
+from gateway import tenancy
+from gateway.api.openai.protocol import OpenAIModel, cap_output, check_sampling
+from gateway.fleet.responses import ResponseStore, StoredResponse
+from gateway.fleet.runs import Fleet
+from gateway.http.errors import FieldRuleError, error_body, json_response
+from gateway.serve import resumable
+from gateway.serve.formatter import Formatter
+from gateway.serve.generation import life_of, new_envelope, output_ceiling, request_json, serve_generation
+from gateway.serve.life import Hook, Outcome
+from gateway.serve.sse import SSE_HEADERS
 from shared.envelopes import Candidate, GenerationChunk, RequestEnvelope, SamplingOptions, ToolCallDelta, Usage
-from shared.errors import FleetError
+from shared.errors import FleetError, ServiceUnavailable
 
 router = APIRouter()
 
@@ -75,7 +78,7 @@ class ResponsesRequest(OpenAIModel):
     chat_template_kwargs: dict[str, Any] | None = None
     cancel_id: str | None = Field(default=None, min_length=1, max_length=256)
     timeout: float | None = Field(default=None, gt=0)  # seconds; capped by the gateway's limit
-    resumable: bool = False  # an extension: the stream survives its client (gateway/streams.py)
+    resumable: bool = False  # an extension: the stream survives its client (gateway/serve/resumable.py)
 
     @model_validator(mode="before")
     @classmethod
@@ -498,17 +501,6 @@ def _usage(usage: Usage) -> dict[str, Any]:
 
 # --- routes ------------------------------------------------------------------------------------
 
-def response_store(fleet: Fleet) -> ResponseStore:
-    """The store of this gateway's Redis, made once per fleet."""
-    store = getattr(fleet, "response_store", None)
-    if store is None:  # the Fleet knows nothing of the families; the first Responses request makes it
-        settings = fleet.settings
-        store = fleet.response_store = ResponseStore(
-            fleet.redis, int(settings.response_store_ttl_s), settings.response_store_max_bytes,
-            settings.response_store_max_entries)
-    return store
-
-
 @dataclass(slots=True)
 class Record:
     """Where one response is stored: its tenant's record, with the history it continued and its input."""
@@ -544,11 +536,10 @@ def not_found(response_id: str) -> Response:
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     fleet: Fleet = request.app.state.fleet
-    store = response_store(fleet)
     tenant = tenancy.current().name
     raw = await request_json(request)
     view = await fleet.registry.resolve(body.model)
-    previous = await store.get(body.previous_response_id, tenant) if body.previous_response_id else None
+    previous = await fleet.responses.get(body.previous_response_id, tenant) if body.previous_response_id else None
     if body.previous_response_id and previous is None:  # unknown, expired, or another tenant's
         return not_found(body.previous_response_id)
     history = conversation(body, previous)
@@ -565,60 +556,44 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     if body.timeout:
         envelope.deadline = min(envelope.deadline, envelope.arrival + body.timeout)
     formatter = ResponsesFormatter(body, envelope, view.max_model_len)
-    record = Record(store, tenant, history, input_items(body))
+    record = Record(fleet.responses, tenant, history, input_items(body))
+    detached = body.background or body.resumable  # runs on without its client: its own end stores it
+    hooks = [_store_end(record, formatter, detached)] if body.store else []
     if body.background:
-        return await _start_background(fleet, record, envelope, formatter)
-    if body.resumable:  # runs on without its client, so the run itself stores its end
-        on_terminal = _store_end(record, formatter) if body.store else None
-        answer = await streams.serve_resumable(request, fleet, envelope, formatter, on_terminal=on_terminal)
-    else:
-        answer = await serve_generation(request, fleet, envelope, formatter)
-    if not body.store:
-        return answer
-    if isinstance(answer, StreamingResponse):
-        answer.body_iterator = _saved_before_end(answer.body_iterator, formatter, record)
-    elif formatter.final is not None:
-        await record.save(formatter.final)
-    return answer
+        return await _start_background(fleet, record, envelope, formatter, hooks)
+    return await serve_generation(request, fleet, envelope, formatter, resumable=body.resumable, hooks=hooks)
 
 
-async def _saved_before_end(parts: AsyncIterator[bytes], formatter: ResponsesFormatter,
-                            record: Record) -> AsyncIterator[bytes]:
-    """The stream, with its Response stored before the client reads its end: a client that then
-    continues from it, on any replica, finds it."""
-    saved = False
-    async for part in parts:
-        if not saved and formatter.final is not None:
-            saved = True
-            await record.save(formatter.final)
-        yield part
-
-
-async def _start_background(fleet: Fleet, record: Record, envelope: RequestEnvelope,
-                            formatter: ResponsesFormatter) -> Response:
-    """Store the response as queued, run it detached from this request (`gateway/streams.py`: its
-    events kept in Redis for any replica to follow), and answer at once: the queued Response, or
-    for `stream` the events as they come. Its end is stored by the run, whoever listens."""
+async def _start_background(fleet: Fleet, record: Record, envelope: RequestEnvelope, formatter: ResponsesFormatter,
+                            hooks: list[Hook]) -> Response:
+    """Store the response as queued, run it detached from this request (gateway/serve/resumable.py:
+    its events kept in Redis for any replica to follow), and answer at once: the queued Response,
+    or for `stream` the events as they come. Its end is stored by the run, whoever listens."""
     queued = formatter.response_object("queued", [])
     await record.save(queued)
     try:
-        await streams.run_detached(fleet, envelope, formatter, on_terminal=_store_end(record, formatter))
+        await resumable.run_detached(fleet, life_of(fleet, envelope, formatter.endpoint, hooks), formatter)
     except FleetError as exc:  # not queued (429, 503): the response never existed
         await record.store.delete(queued["id"], record.tenant)
         return formatter.error_response(exc)
     if formatter.body.stream:
-        return StreamingResponse(await streams.follow(fleet, queued["id"], None, record.tenant),
-                                 media_type="text/event-stream", headers=streams.SSE_HEADERS)
+        return StreamingResponse(await resumable.follow(fleet, queued["id"], None, record.tenant),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
     return json_response(queued)
 
 
-def _store_end(record: Record, formatter: ResponsesFormatter) -> streams.OnTerminal:
-    """What a detached run (background, resumable) does at its end: store the final Response."""
-    async def store_end(_terminal: GenerationChunk | None, error: FleetError | None) -> None:
-        final = formatter.final  # None when the run ended before any event (a refusal)
-        if final is None:
-            final = formatter.response_object("failed" if error else "cancelled", formatter.output, None, error)
-        await record.save(final)
+def _store_end(record: Record, formatter: ResponsesFormatter, detached: bool) -> Hook:
+    """The Response's end, stored: as its client read it; for a run detached from its client
+    (background, resumable), whatever it was, a failure or a cancel too, once it was queued."""
+    async def store_end(outcome: Outcome) -> None:
+        final = formatter.final  # None when the run ended before its last event
+        if final is None and detached and outcome.queued:
+            error = outcome.error if isinstance(outcome.error, FleetError) else ServiceUnavailable(
+                "The response was cancelled before it finished: no client read it within its grace, its gateway "
+                "stopped, or the request queue became unreachable.")
+            final = formatter.response_object("failed", formatter.output, None, error)
+        if final is not None:
+            await record.save(final)
 
     return store_end
 
@@ -628,12 +603,12 @@ async def retrieve_response(response_id: str, request: Request, stream: bool = F
                             starting_after: int | None = None) -> Response:
     fleet: Fleet = request.app.state.fleet
     tenant = tenancy.current().name
-    stored = await response_store(fleet).get(response_id, tenant)
+    stored = await fleet.responses.get(response_id, tenant)
     if stored is None:
         return not_found(response_id)
     if stream:  # replay the kept events after `starting_after`, then follow the live ones
-        return StreamingResponse(await streams.follow(fleet, response_id, starting_after, tenant),
-                                 media_type="text/event-stream", headers=streams.SSE_HEADERS)
+        return StreamingResponse(await resumable.follow(fleet, response_id, starting_after, tenant),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
     return json_response(stored.response)
 
 
@@ -641,7 +616,7 @@ async def retrieve_response(response_id: str, request: Request, stream: bool = F
 async def list_input_items(response_id: str, request: Request, limit: int = Query(20, ge=1, le=100),
                            order: Literal["asc", "desc"] = "desc", after: str | None = None) -> Response:
     """The input items of a stored response, as OpenAI's API lists them (newest first by default)."""
-    stored = await response_store(request.app.state.fleet).get(response_id, tenancy.current().name)
+    stored = await request.app.state.fleet.responses.get(response_id, tenancy.current().name)
     if stored is None:
         return not_found(response_id)
     items = stored.input if order == "asc" else stored.input[::-1]
@@ -658,7 +633,7 @@ async def list_input_items(response_id: str, request: Request, limit: int = Quer
 
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(response_id: str, request: Request) -> Response:
-    if not await response_store(request.app.state.fleet).delete(response_id, tenancy.current().name):
+    if not await request.app.state.fleet.responses.delete(response_id, tenancy.current().name):
         return not_found(response_id)
     return json_response({"id": response_id, "object": "response", "deleted": True})
 
@@ -666,7 +641,7 @@ async def delete_response(response_id: str, request: Request) -> Response:
 @router.post("/v1/responses/{response_id}/cancel")
 async def cancel_response(response_id: str, request: Request) -> Response:
     fleet: Fleet = request.app.state.fleet
-    store = response_store(fleet)
+    store = fleet.responses
     tenant = tenancy.current().name
     before = await store.cancel(response_id, tenant)
     if before is None:

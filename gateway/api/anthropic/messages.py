@@ -26,13 +26,14 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from gateway.anthropic import errors
-from gateway.anthropic.protocol import CountTokensRequest, MessagesRequest
-from gateway.errors import json_response
-from gateway.fleet import GatewaySettings
-from gateway.protocol import cap_output, check_sampling
-from gateway.registry import ModelView
-from gateway.serving import Formatter, generation_route, new_envelope, output_ceiling
+from gateway.api.anthropic.protocol import CountTokensRequest, MessagesRequest
+from gateway.api.openai.protocol import cap_output, check_sampling
+from gateway.fleet.registry import ModelView
+from gateway.http import anthropic_errors as errors
+from gateway.http.errors import json_response
+from gateway.serve.formatter import Formatter
+from gateway.serve.generation import ask_worker, generation_route, new_envelope, output_ceiling
+from gateway.settings import GatewaySettings
 from shared.envelopes import Candidate, GenerationChunk, RequestEnvelope, ToolCallDelta, Usage
 from shared.errors import FleetError
 
@@ -265,7 +266,6 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> Response:
     """The prompt's tokens, counted by a worker's tokenizer from the chat request it would render."""
     fleet = request.app.state.fleet
     view = await fleet.registry.resolve(body.model)
-    async with fleet.submit(new_envelope(body.tokenize_body(view.name), "tokenize", view.name, fleet.settings)) as run:
-        answer, _ = await run.first_or_error()
+    answer = await ask_worker(fleet, new_envelope(body.tokenize_body(view.name), "tokenize", view.name, fleet.settings))
     count = answer.result["count"]
     return json_response({"input_tokens": count, "context_management": {"original_input_tokens": count}})

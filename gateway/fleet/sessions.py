@@ -1,59 +1,39 @@
-"""Sessions that live in the fleet: a conversation kept in Redis, continued by chat requests that
-name it (`session_id`), and snapshots of it. Any replica answers for any session.
-
-A turn (`POST /v1/chat/completions` with `session_id`) sends only its new messages: the gateway
-prepends the stored ones, serves the request as any other, and stores the request's messages and
-the assistant's answer when the turn ends: at its terminal chunk (before the client reads the
-stream's end, so a next turn on any replica finds it), or when it was cancelled or its client went
-away (what was generated so far; a whole response whose client left stores an empty answer).
-The stored history keeps one leading system message: a request that starts with one replaces it
-(an equal one changes nothing), so a client may resend its system prompt every turn.
+"""Sessions in Redis: a conversation's stored messages, the lock of its one running turn, and
+snapshots of it, read and written by any replica (the routes and chat turns: gateway/api/sessions.py).
 
 One turn of a session runs at a time: a turn takes the session's lock (`keys.session_keys`, with
 the request's deadline as its TTL) and a second one gets a 409 until the first is stored. The
 lock is released by the turn's end on every path; rollback and loading a snapshot over the
-session refuse with 409 while a turn runs.
+session refuse with 409 while a turn runs. The stored history keeps one leading system message:
+a request that starts with one replaces it (an equal one changes nothing).
 
 Bounds: every key has a TTL (`--session-ttl`, renewed by each turn; `--snapshot-ttl`); a session
 holds at most `--session-max-messages` messages and `--session-max-bytes` bytes of them, checked
 before a turn runs (a turn past either gets a 400: nothing is trimmed behind the client's back,
 so a session holds at most the bound plus one answer); at most `--max-sessions` sessions (the least
 recently used go first) and `--max-snapshots` snapshots (the oldest go first). A session or
-snapshot belongs to the API key (tenant) that made it: another key's requests get a 404.
+snapshot belongs to the API key (tenant) that made it: the scripts compare the stored tenant, and
+another key's requests find nothing (a 404).
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Annotated, Any
+from dataclasses import dataclass
+from typing import Any
 
 import orjson
-from fastapi import APIRouter, Request
-from pydantic import BaseModel, Field, StrictBool, StrictInt, StrictStr
 from redis.asyncio import Redis
-from starlette.responses import Response, StreamingResponse
 
 from gateway import tenancy
-from gateway.bounded_index import BoundedIndex
-from gateway.errors import json_response
-from gateway.fleet import Fleet, GatewaySettings
-from gateway.serving import Formatter, serve_body, serve_generation
-from gateway.streams import serve_resumable
+from gateway.fleet.bounded_index import BoundedIndex
+from gateway.settings import GatewaySettings
 from shared import keys
-from shared.envelopes import Candidate, GenerationChunk, RequestEnvelope
-from shared.errors import Conflict, FleetError, InvalidRequest, NotFound
+from shared.envelopes import RequestEnvelope
+from shared.errors import Conflict, InvalidRequest, NotFound
 
-router = APIRouter()
-
-# The request fields that are llmfleet's, not the engine's: never forwarded to the worker.
-EXTENSIONS = ("session_id", "discard_thinking")
 LOCK_MARGIN_S = 5.0  # a turn's lock outlives its deadline by this much, for its end to be stored
-
-SessionId = Annotated[StrictStr, Field(min_length=1, max_length=256)]
 
 # KEYS: a session's keys. ARGV: TTL, force ("1"), the number of fields, the fields (name, value...),
 # then the messages. A new session, or one that replaces a session (force) while no turn runs.
@@ -118,57 +98,9 @@ def _text(value: bytes | str | None) -> str | None:
 
 
 @dataclass(slots=True)
-class AssistantTurn:
-    """What choice 0 of a turn generated, as its formatter saw it go by: the answer to store."""
-
-    text: str = ""
-    reasoning: str = ""
-    calls: dict[int, dict[str, Any]] = field(default_factory=dict)
-    seen: bool = False  # a chunk came
-    ended: bool = False  # the terminal chunk, or an error, came
-    failed: bool = False
-
-    def add(self, chunk: GenerationChunk) -> None:
-        self.seen = True
-        self.ended = self.ended or chunk.done
-        if chunk.choice_index != 0:
-            return
-        self.text += chunk.text or ""
-        self.reasoning += chunk.reasoning or ""
-        for delta in chunk.tool_calls or ():
-            call = self.calls.setdefault(delta.index, {"id": None, "type": "function",
-                                                       "function": {"name": None, "arguments": ""}})
-            call["id"] = call["id"] or delta.id
-            call["function"]["name"] = call["function"]["name"] or delta.name
-            call["function"]["arguments"] += delta.arguments
-
-    def take(self, terminal: GenerationChunk) -> None:
-        """A whole response's choice 0."""
-        candidate = next(iter(terminal.candidates or ()), Candidate(0))
-        self.seen = self.ended = True
-        self.text, self.reasoning = candidate.text or "", candidate.reasoning or ""
-        for call in candidate.tool_calls or ():
-            self.add(GenerationChunk(text=None, tool_calls=[call]))
-
-    def fail(self) -> None:
-        self.ended = self.failed = True
-
-    def message(self, discard_thinking: bool) -> dict[str, Any] | None:
-        """The assistant message to store; None when the turn failed before generating anything."""
-        if self.failed and not self.seen:
-            return None
-        message: dict[str, Any] = {"role": "assistant", "content": self.text}
-        if self.calls:
-            message["tool_calls"] = [self.calls[i] for i in sorted(self.calls)]
-        if self.reasoning and not discard_thinking:
-            message["reasoning"] = self.reasoning
-        return message
-
-
-@dataclass(slots=True)
 class Turn:
     """One running turn of a session, holding its lock: the stored history and the request's new
-    messages; `end` stores them with the answer and releases the lock."""
+    messages; `end` stores them with the answer and releases the lock, once."""
 
     store: SessionStore
     session_id: str
@@ -176,7 +108,6 @@ class Turn:
     history: list[dict[str, Any]]
     system: dict[str, Any] | None  # the request's leading system message
     new: list[dict[str, Any]]
-    discard_thinking: bool
     done: bool = False
 
     @property
@@ -195,16 +126,11 @@ class Turn:
             return ""
         return "set" if self.stored_system is not None else "push"
 
-    async def end(self, answer: AssistantTurn | None) -> None:
-        """Store the turn (the new messages and `answer`), or with None only release the lock."""
-        self.done = True
-        message = answer.message(self.discard_thinking) if answer is not None else None
-        await self.store.end_turn(self, message)
-
-    def end_soon(self, answer: AssistantTurn | None) -> None:
-        """`end` in a task the store owns: for a stream whose client went away, where awaiting is cut short."""
+    async def end(self, answer: dict[str, Any] | None) -> None:
+        """Store the turn (the new messages and the assistant's `answer`), or with None only release the lock."""
         if not self.done:
-            self.store.own(self.end(answer))
+            self.done = True
+            await self.store.end_turn(self, answer)
 
 
 class SessionStore:
@@ -223,12 +149,6 @@ class SessionStore:
         self._sessions = BoundedIndex(redis, keys.SESSION_INDEX, self.max_sessions, self.ttl_s, keys.session_keys)
         self._snapshots = BoundedIndex(redis, keys.SNAPSHOT_INDEX, self.max_snapshots, self.snapshot_ttl_s,
                                        lambda snapshot_id: [keys.snapshot_key(snapshot_id)])
-        self._pending: set[asyncio.Task] = set()
-
-    def own(self, work) -> None:
-        task = asyncio.ensure_future(work)
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
 
     # -- sessions --
     async def write(self, session_id: str, messages: list[dict[str, Any]], *, force: bool = False,
@@ -252,6 +172,10 @@ class SessionStore:
             pipe.llen(messages_key)
             meta, count = await pipe.execute()
         return _session_info(session_id, meta, count)
+
+    async def held_by_another(self, session_id: str) -> bool:
+        """A session of that id exists, and it is another tenant's."""
+        return await self.info(session_id) is None and bool(await self.redis.exists(keys.session_keys(session_id)[0]))
 
     async def all(self) -> list[dict[str, Any]]:
         ids = [_text(i) for i in await self.redis.zrevrange(keys.SESSION_INDEX, 0, -1)]
@@ -291,8 +215,7 @@ class SessionStore:
         return [orjson.loads(m) for m in await self.redis.lrange(keys.session_keys(session_id)[1], 0, -1)]
 
     # -- turns --
-    async def begin_turn(self, session_id: str, envelope: RequestEnvelope, messages: list[dict[str, Any]],
-                         discard_thinking: bool) -> Turn:
+    async def begin_turn(self, session_id: str, envelope: RequestEnvelope, messages: list[dict[str, Any]]) -> Turn:
         """Lock the session for this request's turn and read its history; raises NotFound, Conflict
         (a turn runs) or InvalidRequest (the session would outgrow its bounds)."""
         lock_ms = int(max(1.0, envelope.deadline - time.time() + LOCK_MARGIN_S) * 1000)
@@ -304,8 +227,7 @@ class SessionStore:
             raise Conflict(f"Session '{session_id}' is answering another turn; send the next one when it "
                            "ends.", param="session_id")
         system = messages[0] if messages and messages[0].get("role") == "system" else None
-        turn = Turn(self, session_id, envelope.request_id, [], system, messages[1:] if system else messages,
-                    discard_thinking)
+        turn = Turn(self, session_id, envelope.request_id, [], system, messages[1:] if system else messages)
         try:
             turn.history = await self._messages(session_id)
             self._check_bounds(turn)
@@ -401,200 +323,3 @@ def _session_info(session_id: str, meta: dict[bytes, bytes], count: int) -> dict
     return {"session_id": session_id, "object": "session", "created_at": int(meta[b"created_at"]),
             "updated_at": int(meta[b"updated_at"]), "max_seq_len": int(max_seq_len) if max_seq_len else None,
             "message_count": count, "bytes": int(meta.get(b"bytes") or 0)}
-
-
-def session_store(fleet: Fleet) -> SessionStore:
-    """The store of this gateway's Redis, made once per fleet."""
-    store = getattr(fleet, "session_store", None)
-    if store is None:  # the Fleet knows nothing of sessions; the first use makes it
-        store = fleet.session_store = SessionStore(fleet.redis, fleet.settings)
-    return store
-
-
-# --- chat turns ----------------------------------------------------------------------------------
-
-async def serve_chat(body: Any, request: Request, fleet: Fleet, envelope: RequestEnvelope,
-                     formatter: Formatter) -> Response:
-    """Chat's `Serve`: a request without `session_id` as any other; with one, a turn of the session."""
-    envelope.body = {name: value for name, value in envelope.body.items() if name not in EXTENSIONS}
-    if body.session_id is None:
-        return await serve_body(body, request, fleet, envelope, formatter)
-    if body.n != 1:
-        raise InvalidRequest("A turn of a session has one answer: `n` must be 1.", param="n")
-    turn = await session_store(fleet).begin_turn(body.session_id, envelope, envelope.body["messages"],
-                                                 body.discard_thinking)
-    envelope.body["messages"] = turn.prompt()
-    envelope.session_id = body.session_id  # a cancel by session_id stops the turn
-    if body.resumable:  # the run outlives its client: its own end stores the turn
-        async def store_turn(_terminal: GenerationChunk | None, _error: FleetError | None) -> None:
-            await turn.end(formatter.turn if formatter.turn.seen else None)  # refused: only released
-
-        try:
-            return await serve_resumable(request, fleet, envelope, formatter, on_terminal=store_turn)
-        except BaseException:  # refused before it ran (429, 503): nothing to store
-            turn.end_soon(None)
-            raise
-    try:
-        answer = await serve_generation(request, fleet, envelope, formatter)
-    except BaseException:
-        turn.end_soon(None)
-        raise
-    if isinstance(answer, StreamingResponse):
-        answer.body_iterator = _stored_at_end(answer.body_iterator, turn, formatter.turn)
-    else:  # a whole answer, or its client left (499): stored; a refusal: only released
-        await turn.end(formatter.turn if answer.status_code in (200, 499) else None)
-    return answer
-
-
-async def _stored_at_end(parts: AsyncIterator[bytes], turn: Turn, answer: AssistantTurn) -> AsyncIterator[bytes]:
-    """The stream, its turn stored before the client reads its end; if the client goes away first
-    (the stream is cancelled or closed), stored from what was generated so far."""
-    try:
-        async for part in parts:
-            if answer.ended and not turn.done:
-                await turn.end(answer)
-            yield part
-    finally:
-        turn.end_soon(answer)
-
-
-# --- routes --------------------------------------------------------------------------------------
-
-class NewSession(BaseModel):
-    session_id: SessionId
-    max_seq_len: Annotated[StrictInt, Field(gt=0, le=2**31 - 1)] | None = None  # stored as JSON: a bounded int
-
-
-class Rollback(BaseModel):
-    keep_messages: Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]
-
-
-class Labels(BaseModel):
-    title: Annotated[StrictStr, Field(max_length=256)] | None = None
-    description: Annotated[StrictStr, Field(max_length=4096)] | None = None
-    tags: Annotated[list[Annotated[StrictStr, Field(max_length=64)]], Field(max_length=64)] | None = None
-
-    def given(self) -> dict[str, Any]:
-        labels = self.model_dump(include=self.model_fields_set)
-        if "tags" in labels:
-            labels["tags"] = labels["tags"] or []
-        return labels
-
-
-class Load(BaseModel):
-    session_id: SessionId | None = None
-    force: StrictBool = False
-
-
-def _store(request: Request) -> SessionStore:
-    return session_store(request.app.state.fleet)
-
-
-def _no_session(session_id: str) -> NotFound:
-    return NotFound(f"Session '{session_id}' not found.", param="session_id")
-
-
-def _no_snapshot(snapshot_id: str) -> NotFound:
-    return NotFound(f"Snapshot '{snapshot_id}' not found.", param="snapshot_id")
-
-
-@router.post("/v1/sessions")
-async def create_session(body: NewSession, request: Request) -> Response:
-    if await _store(request).write(body.session_id, [], max_seq_len=body.max_seq_len) != "ok":
-        raise Conflict(f"Session '{body.session_id}' exists already.", param="session_id")
-    return json_response({"status": "created", **await _store(request).info(body.session_id)})
-
-
-@router.get("/v1/sessions")
-async def list_sessions(request: Request) -> Response:
-    return json_response({"object": "list", "sessions": await _store(request).all()})
-
-
-@router.get("/v1/sessions/{session_id}")
-async def get_session(session_id: str, request: Request) -> Response:
-    info = await _store(request).info(session_id)
-    if info is None:
-        raise _no_session(session_id)
-    return json_response(info)
-
-
-@router.delete("/v1/sessions/{session_id}")
-async def delete_session(session_id: str, request: Request) -> Response:
-    if not await _store(request).delete(session_id):
-        raise _no_session(session_id)
-    return json_response({"status": "deleted", "session_id": session_id})
-
-
-@router.get("/v1/sessions/{session_id}/history")
-async def session_history(session_id: str, request: Request) -> Response:
-    messages = await _store(request).history(session_id)
-    if messages is None:
-        raise _no_session(session_id)
-    return json_response({"session_id": session_id, "messages": messages})
-
-
-@router.post("/v1/sessions/{session_id}/rollback")
-async def rollback_session(session_id: str, body: Rollback, request: Request) -> Response:
-    left = await _store(request).rollback(session_id, body.keep_messages)
-    if left == -1:
-        raise _no_session(session_id)
-    if left == -2:
-        raise Conflict(f"Session '{session_id}' is answering a turn; roll it back when it ends.",
-                       param="session_id")
-    return json_response({"status": "ok", "session_id": session_id,
-                          "session": await _store(request).info(session_id)})
-
-
-@router.post("/v1/sessions/{session_id}/save")
-async def save_session(session_id: str, request: Request, body: Labels | None = None) -> Response:
-    manifest = await _store(request).save(session_id, body.given() if body else {})
-    if manifest is None:
-        raise _no_session(session_id)
-    return json_response({"status": "saved", "snapshot_id": manifest["snapshot_id"], "snapshot": manifest})
-
-
-@router.get("/v1/snapshots")
-async def list_snapshots(request: Request) -> Response:
-    return json_response({"object": "list", "snapshots": await _store(request).snapshots()})
-
-
-@router.get("/v1/snapshots/{snapshot_id}")
-async def get_snapshot(snapshot_id: str, request: Request) -> Response:
-    manifest = await _store(request).snapshot(snapshot_id, with_messages=True)
-    if manifest is None:
-        raise _no_snapshot(snapshot_id)
-    return json_response(manifest)
-
-
-@router.patch("/v1/snapshots/{snapshot_id}")
-async def label_snapshot(snapshot_id: str, body: Labels, request: Request) -> Response:
-    manifest = await _store(request).label(snapshot_id, body.given())
-    if manifest is None:
-        raise _no_snapshot(snapshot_id)
-    return json_response(manifest)
-
-
-@router.delete("/v1/snapshots/{snapshot_id}")
-async def delete_snapshot(snapshot_id: str, request: Request) -> Response:
-    if not await _store(request).delete_snapshot(snapshot_id):
-        raise _no_snapshot(snapshot_id)
-    return json_response({"status": "deleted", "snapshot_id": snapshot_id})
-
-
-@router.post("/v1/snapshots/{snapshot_id}/load")
-async def load_snapshot(snapshot_id: str, request: Request, body: Load | None = None) -> Response:
-    body = body or Load()
-    store = _store(request)
-    manifest = await store.snapshot(snapshot_id, with_messages=True)
-    if manifest is None:
-        raise _no_snapshot(snapshot_id)
-    session_id = body.session_id or f"sess_{uuid.uuid4().hex}"
-    if (await store.info(session_id)) is None and await store.redis.exists(keys.session_keys(session_id)[0]):
-        raise Conflict(f"Session '{session_id}' exists already.", param="session_id")  # another key's
-    loaded = await store.write(session_id, manifest["messages"], force=body.force,
-                               max_seq_len=manifest["max_seq_len"])
-    if loaded != "ok":
-        why = "exists already (force: true replaces it)" if loaded == "exists" else "is answering a turn"
-        raise Conflict(f"Session '{session_id}' {why}.", param="session_id")
-    return json_response({"status": "loaded", "snapshot_id": snapshot_id, "session_id": session_id,
-                          "session": await store.info(session_id)})

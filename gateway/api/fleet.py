@@ -10,10 +10,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
 from gateway import tenancy
-from gateway.errors import error_body, json_response
-from gateway.keys import current_key
-from gateway.protocol import CancelRequest
-from gateway.sessions import session_store
+from gateway.api.openai.protocol import CancelRequest
+from gateway.http.auth import current_key
+from gateway.http.errors import error_body, json_response
 from shared import keys
 from shared.errors import NotFound
 
@@ -29,7 +28,7 @@ async def cancel(body: CancelRequest, request: Request) -> Response:
     if body.cancel_id is not None:
         count = await fleet.cancels.cancel_group(keys.cancel_group(tenant, cancel_id=body.cancel_id), early=True)
     elif body.session_id is not None:
-        if await session_store(fleet).info(body.session_id) is None:
+        if await fleet.sessions.info(body.session_id) is None:
             raise NotFound(f"Session '{body.session_id}' not found.", param="session_id")
         count = await fleet.cancels.cancel_group(keys.cancel_group(tenant, session_id=body.session_id), early=False)
     else:

@@ -9,7 +9,7 @@ reads it. Any replica replays the log and follows it live (`follow`). Two featur
   client that sent it reads the run's events straight from this process; if it goes away, the
   run goes on, and the client reconnects to any replica with `Last-Event-ID`. A run nobody
   reads for `GatewaySettings.resume_grace_s` is cancelled (cause "disconnect").
-- Responses background mode (gateway/openai/responses.py): `run_detached` and `follow`.
+- Responses background mode (gateway/api/openai/responses.py): `run_detached` and `follow`.
 
 Invariants:
 - An event is in the log before any client sees it: the writer hands a chunk's frames to the
@@ -17,12 +17,13 @@ Invariants:
   read finds every later event.
 - The log is one Redis stream per response (`keys.event_log_key`): an opening entry `0-1`
   written before `run_detached` returns (so a follower never sees a 404 for a run that
-  exists), which names the tenant the response is for, event n at entry id `1-n`, and an end entry `2-0` once the run ended, however it
-  ended. Every write sets the key's TTL: the run's deadline plus the keep time while it runs,
-  the keep time (`event_log_keep_s`) after its end; MAXLEN ~EVENT_LOG_MAXLEN bounds its size.
-- A detached run is owned by its task: it closes its run (cancelling it if it has not ended),
-  ends the log and calls `on_terminal` on every path. `Fleet.stop` cancels those left, bounded.
-
+  exists), which names the tenant the response is for; event n at entry id `1-n`; an end entry
+  `2-0` once the run ended, however it ended. Every write sets the key's TTL: the run's deadline
+  plus the keep time while it runs, the keep time (`event_log_keep_s`) after its end; MAXLEN
+  ~EVENT_LOG_MAXLEN bounds its size.
+- A detached run is owned by its task: it ends its request's life (which cancels an unended run
+  and stores its history, gateway/serve/life.py), then ends the log, on every path.
+  `Fleet.stop` cancels those left, bounded.
 - Only the tenant that made a response reads its events: `follow` checks the opening entry's
   tenant, and another tenant's id reads as unknown (a 404), as sessions and stored responses do.
 
@@ -35,33 +36,23 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from redis.exceptions import RedisError
 from starlette.responses import Response, StreamingResponse
 
-from gateway import metrics, tenancy
-from gateway.fleet import DEADLINE_GRACE_S, Fleet, Run
-from gateway.serving import (
-    SSE_HEADERS,
-    ClientDisconnected,
-    EventWriter,
-    Formatter,
-    finish_run,
-    race_disconnect,
-    record_first_token,
-    stream_frames,
-)
+from gateway.fleet.runs import DEADLINE_GRACE_S, Fleet, Run
+from gateway.serve.formatter import Formatter
+from gateway.serve.life import RequestLife
+from gateway.serve.sse import SSE_HEADERS, ClientDisconnected, EventWriter, race_disconnect, stream_frames
 from shared import keys
-from shared.envelopes import GenerationChunk, RequestEnvelope
-from shared.errors import FleetError, InvalidRequest, NotFound, ServiceUnavailable, error_from_info
+from shared.envelopes import GenerationChunk
+from shared.errors import FleetError, NotFound, ServiceUnavailable, error_from_info
 from shared.stopping import pause
 
 log = logging.getLogger(__name__)
-
-router = APIRouter()
 
 OPEN_ID = "0-1"
 END_ID = "2-0"
@@ -72,9 +63,6 @@ FOLLOW_BLOCK_MS = 1000  # a follower on another replica wakes at least this ofte
 READER_CHECK_S = 1.0  # how often a resumable run with no local reader looks for one elsewhere
 LISTENER_MAX_CHUNKS = 1024  # chunks held for a local reader that stopped reading; past it, it is cut off
 
-# Awaited once at the end of a detached run: its terminal chunk (None if none came) and the
-# error it failed with (None if it succeeded).
-OnTerminal = Callable[[GenerationChunk | None, FleetError | None], Awaitable[None]]
 # What a local listener gets: a chunk's frames with the id of the first, or None at the end.
 Frames = tuple[int, list[bytes]]
 
@@ -138,15 +126,14 @@ class DetachedRun:
     the run from then on.
     """
 
-    def __init__(self, fleet: Fleet, envelope: RequestEnvelope, formatter: Formatter, *,
-                 on_terminal: OnTerminal | None = None, reader_grace_s: float | None = None):
+    def __init__(self, fleet: Fleet, life: RequestLife, formatter: Formatter, *, reader_grace_s: float | None = None):
         self.fleet = fleet
-        self.envelope = envelope
+        self.life = life  # the request's end, and its history hooks (gateway/serve/life.py)
+        self.envelope = life.envelope
         self.writer = EventWriter(formatter)
         self.response_id = formatter.response_id
-        # A non-streaming run has no events to keep: only its terminal chunk (on_terminal).
-        self.log = EventLog(fleet.batched, self.response_id) if envelope.stream else None
-        self.on_terminal = on_terminal
+        # A non-streaming run has no events to keep: only its end (its life's hooks).
+        self.log = EventLog(fleet.batched, self.response_id) if self.envelope.stream else None
         self.reader_grace_s = reader_grace_s  # None: runs to its end whether anyone reads or not
         self.task: asyncio.Task | None = None
         self.refusal: FleetError | None = None  # the request was refused before its first event
@@ -170,9 +157,8 @@ class DetachedRun:
 
     async def start(self) -> None:
         """Submit the request and open its log; return once it is queued, the relay running."""
-        started = time.monotonic()
-        async with AsyncExitStack() as owner:  # on an error or a cancel here, the run's ending cancels it
-            run = await owner.enter_async_context(self.fleet.submit(self.envelope))
+        async with AsyncExitStack() as owner:  # on an error or a cancel here, the request's end cancels it
+            run = await owner.enter_async_context(self.life)
             if self.log is not None:
                 try:
                     await self.log.open(self.envelope.tenant, self._ttl_while_running())
@@ -182,10 +168,9 @@ class DetachedRun:
             # From here the relay owns the run: its `finally` ends it (`owner.aclose()`); if the task is
             # cancelled before its first step, its done callback does.
             relay_owner = owner.pop_all()
-            self.task = asyncio.create_task(self._relay(relay_owner, run, started),
-                                            name=f"detached {self.response_id}")
+            self.task = asyncio.create_task(self._relay(relay_owner, run), name=f"detached {self.response_id}")
             self.task.add_done_callback(lambda task: None if self._relaying else self.fleet.spawn(
-                self._end_unstarted(relay_owner, run, started)))
+                self._end_unstarted(relay_owner)))
         if self.reader_grace_s is not None:
             self._watching = asyncio.create_task(self._cancel_when_unread(self.reader_grace_s))
 
@@ -194,14 +179,13 @@ class DetachedRun:
         if self.task is not None:
             self.task.cancel()
 
-    async def _relay(self, owner: AsyncExitStack, run: Run, started: float) -> None:
+    async def _relay(self, owner: AsyncExitStack, run: Run) -> None:
         self._relaying = True
-        metrics.OPEN_STREAMS.inc()
         error: BaseException | None = None
         try:
             first, rest = await self._first(run)
-            record_first_token(first, self.envelope)
-            async for frames in stream_frames(run, self.envelope, self.writer, first, rest):
+            self.life.first_chunk(first)
+            async for frames in stream_frames(self.life, self.writer, first, rest):
                 await self._publish(frames)
             error = self.writer.error
         except FleetError as exc:  # refused before its first event
@@ -213,17 +197,18 @@ class DetachedRun:
             error = exc
             raise
         finally:
-            finish_run(run, self.envelope, self.writer.formatter, started, error)
-            await owner.aclose()  # `Fleet.submit`'s ending (the cancel of an unended run) before the log's
-            await self._end(error)
+            await self._close(owner, error)
 
-    async def _end_unstarted(self, owner: AsyncExitStack, run: Run, started: float) -> None:
+    async def _end_unstarted(self, owner: AsyncExitStack) -> None:
         """The ending of a relay cancelled before its first step (its `finally` never ran)."""
-        cancelled = asyncio.CancelledError()
-        metrics.OPEN_STREAMS.inc()  # as `_relay` counts it, for `finish_run` to count it out
-        finish_run(run, self.envelope, self.writer.formatter, started, cancelled)
+        await self._close(owner, asyncio.CancelledError())
+
+    async def _close(self, owner: AsyncExitStack, error: BaseException | None) -> None:
+        """The request's end (the cancel of an unended run) before the log's."""
+        if error is not None and self.life.outcome.error is None:
+            self.life.failed(error)
         await owner.aclose()
-        await self._end(cancelled)
+        await self._end(error)
 
     async def _first(self, run: Run) -> tuple[GenerationChunk, AsyncIterator[GenerationChunk]]:
         try:
@@ -231,6 +216,7 @@ class DetachedRun:
         except FleetError as exc:
             # The engine's server had begun its stream: 200, then the error (serve_generation's rule).
             self.refusal = None if exc.in_stream else exc
+            self.life.failed(exc, refused=not exc.in_stream)
             raise
 
     async def _publish(self, frames: list[bytes]) -> None:
@@ -248,7 +234,7 @@ class DetachedRun:
                 queue.put_nowait((first_id, frames))
 
     async def _end(self, error: BaseException | None) -> None:
-        """The ending of every path: the log's last events and its end, the listeners', on_terminal."""
+        """The ending of every path: the log's last events and its end, the listeners'."""
         failure = self._failure(error)
         try:
             if self.writer.terminal is None and self.writer.error is None:  # refused, or cut short
@@ -263,14 +249,9 @@ class DetachedRun:
             for queue in self._listeners:
                 queue.put_nowait(None)
             self._listeners.clear()
-        if self.on_terminal is not None:
-            try:
-                await self.on_terminal(self.writer.terminal, failure)
-            except Exception:
-                log.exception("the end of the detached run %s failed", self.response_id)
 
     def _failure(self, error: BaseException | None) -> FleetError | None:
-        """The error the response failed with, as `on_terminal` gets it."""
+        """The error the response failed with, as its error events say it."""
         terminal = self.writer.terminal
         if terminal is not None:
             return error_from_info(terminal.error) if terminal.error is not None else None
@@ -300,20 +281,17 @@ class DetachedRun:
         return math.ceil(left + self.fleet.settings.event_log_keep_s)
 
 
-async def run_detached(fleet: Fleet, envelope: RequestEnvelope, formatter: Formatter, *,
-                       on_terminal: OnTerminal | None = None) -> None:
+async def run_detached(fleet: Fleet, life: RequestLife, formatter: Formatter) -> None:
     """Submit the generation and return once it is queued (its event log opened). From then on it
     runs in this gateway independent of any client, appending every encoded event (`formatter`'s
-    SSE frames, ids included) to the log of `formatter.response_id`, until its terminal chunk;
-    then `on_terminal(terminal_chunk_or_None, error_or_None)` is awaited (error: the FleetError it
-    failed with, whether a refusal, an error in its terminal chunk, a timeout or a cancel by the
-    gateway stopping; None when it completed, cancelled by a client's `POST /v1/cancel` included).
+    SSE frames, ids included) to the log of `formatter.response_id`, until its terminal chunk; its
+    life's history hooks store its end, whatever it was (gateway/serve/life.py).
 
     Raises what `Fleet.submit` raises (429, 503) when the request cannot be queued. A request with
-    `envelope.stream` False keeps no log (`follow` answers 404): only `on_terminal` sees its end.
+    `envelope.stream` False keeps no log (`follow` answers 404): only its hooks see its end.
     Runs left when the gateway stops are cancelled within `Fleet.stop`'s bounds.
     """
-    await DetachedRun(fleet, envelope, formatter, on_terminal=on_terminal).start()
+    await DetachedRun(fleet, life, formatter).start()
 
 
 async def follow(fleet: Fleet, response_id: str, after: int | None, tenant: str) -> AsyncIterator[bytes]:
@@ -389,12 +367,10 @@ async def _follow_log(fleet: Fleet, events: EventLog, response_id: str, after: i
             return  # expired unended: the gateway relaying it died
 
 
-async def serve_resumable(request: Request, fleet: Fleet, envelope: RequestEnvelope, formatter: Formatter, *,
-                          on_terminal: OnTerminal | None = None) -> Response:
-    """A streaming request that survives its client: run it detached and relay it from here.
-    `on_terminal`: as `run_detached`'s, awaited at the run's end whether its client still reads."""
-    run = DetachedRun(fleet, envelope, formatter, on_terminal=on_terminal,
-                      reader_grace_s=fleet.settings.resume_grace_s)
+async def serve_resumable(request: Request, fleet: Fleet, life: RequestLife, formatter: Formatter) -> Response:
+    """A streaming request that survives its client: run it detached and relay it from here. Its
+    life's hooks store its end whether its client still reads."""
+    run = DetachedRun(fleet, life, formatter, reader_grace_s=fleet.settings.resume_grace_s)
     listener = run.listen()
     await run.start()
     try:
@@ -421,20 +397,3 @@ async def _relay_to_client(run: DetachedRun, listener: asyncio.Queue[Frames | No
             item = await listener.get()
     finally:  # the client went away: the run goes on, for whoever resumes it
         run.unlisten(listener)
-
-
-@router.get("/v1/streams/{response_id}")
-async def resume_stream(response_id: str, request: Request) -> Response:
-    """Replay a resumable stream's events after `Last-Event-ID` (all without it), then follow it."""
-    events = await follow(request.app.state.fleet, response_id, _last_event_id(request), tenancy.current().name)
-    return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
-
-
-def _last_event_id(request: Request) -> int | None:
-    value = request.headers.get("last-event-id")
-    if value is None or not value.strip():
-        return None
-    if not value.strip().isdigit():
-        raise InvalidRequest(f"Last-Event-ID must be the id of an event (a number), got {value!r}.",
-                             param="Last-Event-ID")
-    return int(value)

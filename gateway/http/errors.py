@@ -1,7 +1,9 @@
 """The one builder of OpenAI error bodies, and the handlers that use it.
 
 Body: {"error": {"message", "type", "param", "code"}}, with vLLM's `type` names, so clients
-written against `vllm serve` read our errors the same way.
+written against `vllm serve` read our errors the same way. A request model's own rules raise
+`FieldRuleError` inside pydantic's validation; the handler answers it with the rule's message and
+param. On the Anthropic routes every error takes Anthropic's shape instead (anthropic_errors.py).
 """
 
 from __future__ import annotations
@@ -17,9 +19,26 @@ from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
-from gateway.anthropic import errors as anthropic_errors
-from gateway.protocol import FieldRuleError
+from gateway.http import anthropic_errors
 from shared.errors import FleetError, Overloaded
+
+
+class FieldRuleError(ValueError):
+    """A schema rule broken by a request; `param` names the field, as vLLM does. A rule of OpenAI's
+    that vLLM does not check answers in OpenAI's words: `err_type` invalid_request_error, no code."""
+
+    def __init__(self, message: str, param: str | None = None, *, err_type: str = "BadRequestError",
+                 code: str | int | None = 400):
+        super().__init__(message)
+        self.param = param
+        self.err_type = err_type
+        self.code = code
+
+
+def openai_rule(message: str, param: str) -> FieldRuleError:
+    """A rule the OpenAI API checks and `vllm serve` does not (docs/compatibility.md)."""
+    return FieldRuleError(message, param, err_type="invalid_request_error", code=None)
+
 
 ERROR_TYPES = {
     400: "BadRequestError",

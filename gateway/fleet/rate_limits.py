@@ -26,7 +26,7 @@ generate after it; new requests are refused until the window has room again.
 A refusal is a 429 (`RateLimited`, with Retry-After) in the family's error shape. Every answer to
 a request that reached admission, refused or not, carries the key's limits in its family's
 headers: OpenAI's x-ratelimit-*, or Anthropic's anthropic-ratelimit-* on /v1/messages
-(`gateway.keys.FrontDoor` adds them to the response's start).
+(`FrontDoor`, gateway/http/auth.py, adds them to the response's start, from the request's `KeyUse`).
 
 Usage: every admitted request of a managed key, and its prompt and completion tokens (the
 worker's counts), are added per model to the key's usage hash in Redis (`llmfleet keys usage`)
@@ -43,7 +43,8 @@ from datetime import UTC, datetime
 
 from redis.exceptions import RedisError
 
-from gateway import keys, metrics
+from gateway import metrics
+from gateway.fleet.api_keys import ApiKey
 from shared import keys as redis_keys
 from shared.envelopes import GenerationChunk, RequestEnvelope
 from shared.errors import ModelNotFound, Overloaded
@@ -132,6 +133,14 @@ return 1
 """
 
 
+@dataclass(slots=True)
+class KeyUse:
+    """A request's managed key, and its limits as the admission found them (for the answer's headers)."""
+
+    key: ApiKey
+    limits: list[Limit] = field(default_factory=list)
+
+
 class RateLimited(Overloaded):
     """A key's limit is reached: a 429 with Retry-After and the x-ratelimit-* headers."""
     code = "rate_limit_exceeded"
@@ -140,7 +149,7 @@ class RateLimited(Overloaded):
 @dataclass(slots=True, eq=False)  # eq=False: hashed by identity, kept in a set
 class Grant:
     """One admitted request of a managed key: what it was charged, what is still to send."""
-    key: keys.ApiKey
+    key: ApiKey
     request_id: str
     model: str
     prompt_estimate: int
@@ -190,10 +199,10 @@ class RateLimits:
         self._running: set[Grant] = set()
         self._stopping = asyncio.Event()
 
-    async def admit(self, envelope: RequestEnvelope) -> Grant | None:
+    async def admit(self, envelope: RequestEnvelope, use: KeyUse | None) -> Grant | None:
         """Check and count the request against its key's limits (None: no managed key); raise
-        ModelNotFound for a model the key may not use, RateLimited past a limit."""
-        use = keys.current_key()
+        ModelNotFound for a model the key may not use, RateLimited past a limit. The limits it
+        finds are reported on `use`, for the answer's headers."""
         if use is None:
             return None
         key = use.key
@@ -307,7 +316,7 @@ def duration(seconds: float) -> str:
     return f"{int(minutes)}m{rest_text}" if minutes else rest_text
 
 
-def _refusal(key: keys.ApiKey, refused: str, estimate: int, requests_reset_ms: int,
+def _refusal(key: ApiKey, refused: str, estimate: int, requests_reset_ms: int,
              tokens_reset_ms: int) -> RateLimited:
     if refused == "requests":
         message = f"Rate limit reached for key `{key.name}`: {key.rpm} requests per window."

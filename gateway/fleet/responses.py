@@ -31,7 +31,7 @@ from typing import Any
 import orjson
 from redis.asyncio import Redis
 
-from gateway.bounded_index import BoundedIndex
+from gateway.fleet.bounded_index import BoundedIndex
 from shared import keys
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from gateway.protocol import MAX_MESSAGES, MAX_STOP_STRINGS, FieldRuleError
+from gateway.api.openai.protocol import MAX_MESSAGES, MAX_STOP_STRINGS
+from gateway.http.errors import FieldRuleError
 from shared.envelopes import SamplingOptions
 
 BILLING_HEADER = "x-anthropic-billing-header"  # Claude Code's per-request hash: dropped, as vLLM does

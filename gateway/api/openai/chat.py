@@ -6,11 +6,12 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from gateway import sessions
-from gateway.fleet import GatewaySettings
-from gateway.protocol import ChatCompletionRequest, cap_output, check_sampling
-from gateway.registry import ModelView
-from gateway.serving import Formatter, generation_route, new_envelope, output_ceiling, request_json, usage_body
+from gateway.api import sessions
+from gateway.api.openai.protocol import ChatCompletionRequest, cap_output, check_sampling
+from gateway.fleet.registry import ModelView
+from gateway.serve.formatter import Formatter, usage_body
+from gateway.serve.generation import generation_route, new_envelope, output_ceiling, request_json
+from gateway.settings import GatewaySettings
 from shared.envelopes import Candidate, GenerationChunk, RequestEnvelope, ToolCallDelta
 from shared.errors import FleetError
 

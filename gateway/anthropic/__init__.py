@@ -1,1 +1,0 @@
-"""The Anthropic Messages API family."""

@@ -1,0 +1,1 @@
+"""The API families, one module or package each: parse a request, call the service, choose the response."""

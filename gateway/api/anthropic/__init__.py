@@ -1,0 +1,1 @@
+"""Anthropic's Messages API, as vllm serve converts it to chat."""

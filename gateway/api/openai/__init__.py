@@ -1,0 +1,1 @@
+"""OpenAI's APIs: chat completions, completions, Responses, and vllm serve's /invocations."""

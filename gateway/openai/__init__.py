@@ -1,1 +1,0 @@
-"""OpenAI API families: chat completions, completions, responses."""
