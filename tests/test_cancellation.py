@@ -264,7 +264,7 @@ def test_a_cancel_id_shared_by_two_runs_cancels_both(gateways, two_slot_worker, 
         assert httpx.post(f"{gateways[1].url}/v1/cancel", json={"cancel_id": cancel_id}).json() == {"cancelled": 2}
         assert [_finishes(list(events)) for events in streams] == [["cancelled"], ["cancelled"]]
     assert _cancels(two_slot_worker, cause="explicit", phase="decode") == 2
-    assert 0 < redis_client.ttl(keys.cancel_id_key(cancel_id)) <= 600 + 5
+    assert 0 < redis_client.ttl(keys.cancel_id_key(keys.cancel_group("", cancel_id=cancel_id))) <= 600 + 5
 
 
 def test_the_first_run_to_finish_leaves_the_other_cancellable(gateways, two_slot_worker):

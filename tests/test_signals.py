@@ -143,7 +143,8 @@ def test_invocations_dispatch_on_the_body_and_load_counts_open_requests(fleet):
     assert httpx.get(f"{gateway.url}/load").json() == {"server_load": 0}
     with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", timeout=60,
                       json=chat(max_tokens=1000, stream=True)) as response:
-        next(response.iter_lines())
+        lines = response.iter_lines()  # kept: dropping the iterator would close the connection
+        next(lines)
         assert httpx.get(f"{gateway.url}/load").json() == {"server_load": 1}
     wait_for(lambda: httpx.get(f"{gateway.url}/load").json() == {"server_load": 0}, 10, "the stream to be closed")
 

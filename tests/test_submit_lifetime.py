@@ -71,7 +71,8 @@ def left_behind(redis_client, fleet: Fleet, request: RequestEnvelope) -> list[st
         found.append(f"{fleet.router.open_requests} open routes")
     if redis_client.exists(keys.run_key(request.request_id)):
         found.append("run key")
-    if redis_client.sismember(keys.cancel_id_key(request.cancel_id), request.request_id):
+    if redis_client.sismember(keys.cancel_id_key(keys.cancel_group(request.tenant, cancel_id=request.cancel_id)),
+                              request.request_id):
         found.append("cancel_id registration")
     return found
 

@@ -73,8 +73,10 @@ ODD_VALUES = ["abc", "a}b", "}abc", "}", "", "{x}", "{", "a{b}c", "ü-model/7b:l
 @pytest.mark.parametrize("value", ODD_VALUES)
 def test_the_keys_of_each_operation_share_a_slot(value):
     """What Redis Cluster requires of every multi-key command and script llmfleet sends."""
+    group = keys.cancel_group("tenant", cancel_id=value)
     operations = {
-        "register / cancel by cancel_id": [keys.cancel_id_key(value), keys.early_cancel_key(value)],
+        "register / cancel by group": [keys.cancel_id_key(group), keys.early_cancel_key(group)],
+        "cancel by id: the run's tenant, its stash": [keys.run_key(value), keys.cancelled_key(value)],
         "lease, stash, streamed; their DEL": [keys.lease_key(value), keys.cancelled_key(value),
                                               keys.streamed_key(value)],
         "dead letter, XACK, XDEL": [keys.request_stream(value), keys.dead_letter_stream(value)],
@@ -87,5 +89,7 @@ def test_the_keys_of_each_operation_share_a_slot(value):
 def test_tags_spread_requests_over_slots_and_names_stay_distinct():
     slots = {key_slot(keys.lease_key(f"{n:032x}").encode()) for n in range(200)}
     assert len(slots) > 150  # not one hot slot
-    names = [keys.cancel_id_key(value) for value in ODD_VALUES + ["da39a3ee5e6b4b0d}"]]
+    names = [keys.cancel_id_key(keys.cancel_group(tenant, **{kind: value}))
+             for value in ODD_VALUES + ["da39a3ee5e6b4b0d}"] for tenant in ("", "a", "b")
+             for kind in ("cancel_id", "session_id")]
     assert len(set(names)) == len(names)
