@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 ENGINE ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 STAMP  := $(VENV)/.installed-$(ENGINE)
 
-.PHONY: install system-deps up test test-fast lint clean bench parity
+.PHONY: install system-deps up test test-fast soak lint clean bench parity
 
 install: $(STAMP)
 
@@ -45,17 +45,15 @@ $(SYSTEM_STAMP): Makefile
 up: install
 	$(BIN)/llmfleet up
 
-# Then the fleet, cancel and fault tests again on a 3-primary Redis Cluster (redis+cluster://):
-# the hash-tagged keys must hold there too. (test_redis_restart and test_partition bring their own
-# plain Redis; the soak and the vLLM tier run once.)
+# Every tier, then the tests of the multi-key scripts and slots again on a 3-primary Redis Cluster
+# (redis+cluster://, marker `cluster`): the hash-tagged keys must hold there too.
 test: install system-deps
-	$(BIN)/python -m pytest -q
-	LLMFLEET_TEST_REDIS=cluster $(BIN)/python -m pytest -q -m "integration and not vllm" \
-	  tests/test_fleet.py tests/test_cancellation.py tests/test_cancel_stress.py tests/test_invalid_requests.py \
-	  tests/test_keys.py tests/test_rate_limits.py tests/test_fair_share.py tests/test_resumable_streams.py \
-	  tests/test_affinity.py tests/test_sessions.py \
-	  tests/faults --ignore=tests/faults/test_soak.py --ignore=tests/faults/test_redis_restart.py \
-	  --ignore=tests/faults/test_partition.py --ignore=tests/faults/test_stops.py
+	$(BIN)/python -m pytest -q --durations=25
+	LLMFLEET_TEST_REDIS=cluster $(BIN)/python -m pytest -q --durations=10 -m "cluster and not vllm"
+
+# The soak for five minutes (`make test` runs it for one).
+soak: install
+	LLMFLEET_SOAK_SECONDS=300 $(BIN)/python -m pytest -q tests/faults/test_soak.py
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not vllm and not compose"

@@ -57,8 +57,13 @@ class BatchedRedis(aioredis.Redis):
         return _QueuedPipeline(self)
 
     async def script_load(self, script) -> str:
-        """Load a script (after a NOSCRIPT reply), on every primary of a cluster."""
-        return await self._direct.script_load(script)
+        """Load a script (after a NOSCRIPT reply), on every primary of a cluster. NOSCRIPT means a
+        Redis that restarted, whose old connections may still wait in the pool: a load that meets
+        one is tried once more (loading a script twice changes nothing), on a fresh connection."""
+        try:
+            return await self._direct.script_load(script)
+        except RedisConnectionError:
+            return await self._direct.script_load(script)
 
     def stop(self) -> None:
         """End `run` once what is queued has been sent."""

@@ -73,6 +73,51 @@ def leftover_keys(client: redis.Redis) -> list[str]:
     return leftovers
 
 
+# The tiny model's parser profiles, as tests/parity has them: one vLLM worker each, started on first
+# use and shared by every test that needs one (a vLLM worker takes ~30 s to start and busies both cores).
+PARSER_PROFILES = {
+    "tools": ("tiny-tools", ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]),
+    "think": ("tiny-think", ["--reasoning-parser", "deepseek_r1"]),
+}
+
+
+class ParserWorkers:
+    """A vLLM worker per parser profile, started when a test first asks for it; two gateways in front."""
+
+    def __init__(self, redis_url: str, model_dir: str):
+        self.redis_url, self.model_dir = redis_url, model_dir
+        self.gateways = [start_gateway(redis_url, "--queue-timeout", "300") for _ in range(2)]
+        self.workers: dict[str, Proc] = {}
+
+    @property
+    def gateway(self) -> Proc:
+        return self.gateways[0]
+
+    def serve(self, profile: str) -> str:
+        """The served name of the profile's worker, started if it is not yet."""
+        name, options = PARSER_PROFILES[profile]
+        if profile not in self.workers:
+            self.workers[profile] = start_worker(
+                self.redis_url, self.model_dir, "--max-model-len", "1024", "--enforce-eager", "--dtype", "float32",
+                *options, engine="vllm", served_name=name, env={"VLLM_CPU_KVCACHE_SPACE": "1"}, timeout=300)
+            for gateway in self.gateways:
+                wait_until_served(gateway, name, timeout=60)
+        return name
+
+    def stop(self) -> None:
+        for gateway in self.gateways:
+            gateway.stop()
+        for worker in self.workers.values():
+            assert worker.stop(timeout=60) == 0, worker.log()[-3000:]
+
+
+@pytest.fixture(scope="session")
+def parser_workers(redis_url: str, tiny_model_dir: str):
+    workers = ParserWorkers(redis_url, tiny_model_dir)
+    yield workers
+    workers.stop()
+
+
 VLLM_SLOTS = 4  # small, so that tests can fill the worker and queue a request behind it
 
 

@@ -96,6 +96,7 @@ def _preferring(worker: WorkerInfo, workers: list[WorkerInfo], count: int, model
     return chosen
 
 
+@pytest.mark.cluster
 def test_a_conversation_stays_with_the_worker_that_cached_it(fleet):
     gateway, workers = fleet
     for conversation in range(4):
@@ -126,6 +127,7 @@ def test_the_load_of_an_unknown_model_is_a_404(fleet):
     assert httpx.get(f"{gateway.url}/fleet/load", params={"model": MODEL}).json()["workers"] == 2
 
 
+@pytest.mark.cluster
 def test_a_busy_preferred_worker_does_not_hold_its_requests(redis_url):
     """Two workers of one slot each: while the preferred worker runs a long request, the next one
     sent to it is taken by the idle worker after `--steal-after-ms`, and answered first."""
@@ -157,6 +159,7 @@ def test_a_busy_preferred_worker_does_not_hold_its_requests(redis_url):
             worker.stop()
 
 
+@pytest.mark.cluster
 def test_a_dead_workers_requests_are_reclaimed(redis_url):
     slow = ("--scripted-tokens-per-second", "20", "--claim-idle", "1")
     workers = [start_worker(redis_url, "affinity-dead", *CACHED, *slow) for _ in range(2)]
@@ -235,6 +238,7 @@ def test_idle_workers_wait_on_the_doorbell_instead_of_polling(redis_url):
 
 
 
+@pytest.mark.cluster
 def test_requests_claimed_past_the_free_slots_wait_in_the_own_stream_and_ring(redis_url):
     """`MOVE`, on a real Redis: the entries leave the model's stream for the worker's own, which
     joins the waiting set, and the doorbell rings (one element, with a TTL) so an idle worker
@@ -262,6 +266,7 @@ def test_requests_claimed_past_the_free_slots_wait_in_the_own_stream_and_ring(re
         client.delete(shared, own, waiting, doorbell)
 
 
+@pytest.mark.cluster
 def test_a_preferred_worker_past_the_bounded_load_spills_to_the_next(redis_url):
     """`ROUTE`, on a real Redis: a candidate takes a request only while its stream holds fewer than
     LOAD_FACTOR times the candidates' mean, the request included (consistent hashing with bounded

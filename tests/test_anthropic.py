@@ -254,46 +254,13 @@ def test_rate_limited_and_overloaded():
 
 # A real vLLM worker on the tiny model (gibberish text; greedy, so streams equal whole answers)
 
-PROFILES = {
-    "tools": ("tiny-anthropic-tools", ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]),
-    "think": ("tiny-anthropic-think", ["--reasoning-parser", "deepseek_r1"]),
-}
 WEATHER = {**TOOLS[0], "strict": True, "input_schema": {**TOOLS[0]["input_schema"], "additionalProperties": False}}
 
 
-class TinyWorker:
-    """One gateway and at most one vLLM worker: `serve(profile)` stops the running worker before
-    starting another (a vLLM worker takes ~30 s to start and busies every core)."""
-
-    def __init__(self, redis_url: str, model_dir: str):
-        self.redis_url, self.model_dir = redis_url, model_dir
-        self.gateway = start_gateway(redis_url, "--queue-timeout", "300")
-        self.worker: Proc | None = None
-        self.profile: str | None = None
-
-    def serve(self, profile: str) -> str:
-        name, options = PROFILES[profile]
-        if self.profile != profile:
-            self.stop_worker()
-            self.worker = start_worker(self.redis_url, self.model_dir, "--max-model-len", "1024", "--enforce-eager",
-                                       "--dtype", "float32", *options, engine="vllm", served_name=name,
-                                       env={"VLLM_CPU_KVCACHE_SPACE": "1"}, timeout=300)
-            self.profile = profile
-            wait_until_served(self.gateway, name)
-        return name
-
-    def stop_worker(self) -> None:
-        if self.worker is not None:
-            assert self.worker.stop(timeout=60) == 0, self.worker.log()[-3000:]
-            self.worker = self.profile = None
-
-
 @pytest.fixture(scope="module")
-def tiny(redis_url, tiny_model_dir):
-    stack = TinyWorker(redis_url, tiny_model_dir)
-    yield stack
-    stack.stop_worker()
-    stack.gateway.stop()
+def tiny(parser_workers):
+    """The session's vLLM workers of the tiny model, one per parser profile (tests/conftest.py)."""
+    return parser_workers
 
 
 GREEDY = {"extra_body": {"temperature": 0}}

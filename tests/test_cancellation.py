@@ -101,6 +101,7 @@ def test_disconnect_of_a_non_streaming_request(gateways, slow_worker):
     assert _cancels(slow_worker, cause="disconnect") == 1
 
 
+@pytest.mark.cluster
 def test_disconnect_while_queued_never_starts_the_request(gateways, slow_worker, redis_client):
     model = _served(gateways, slow_worker)
     with httpx.stream("POST", f"{gateways[0].url}/v1/chat/completions",
@@ -116,6 +117,7 @@ def test_disconnect_while_queued_never_starts_the_request(gateways, slow_worker,
     wait_for(lambda: _in_flight(slow_worker) == 0 and not leftover_keys(redis_client), 5, "a clean queue")
 
 
+@pytest.mark.cluster
 def test_explicit_cancel_through_the_other_replica(gateways, slow_worker):
     model = _served(gateways, slow_worker)
     cancel_id = uuid.uuid4().hex
@@ -151,6 +153,7 @@ def _ending(rest) -> tuple[list[str], int]:
     return _finishes(rest), rest[-2]["usage"]["completion_tokens"]
 
 
+@pytest.mark.cluster
 def test_a_cancel_whose_notice_never_came_still_stops_the_run(gateways, slow_worker, redis_client):
     """Pub/sub is at most once; the stash the gateway writes beside each notice is not."""
     model = _served(gateways, slow_worker)
@@ -181,6 +184,7 @@ def test_a_cancel_sent_while_the_worker_resubscribes_still_stops_the_run(gateway
     assert _cancels(slow_worker, cause="explicit", phase="decode") == 1
 
 
+@pytest.mark.cluster
 def test_cancel_by_response_id(gateways, slow_worker):
     model = _served(gateways, slow_worker)
     with httpx.stream("POST", f"{gateways[1].url}/v1/chat/completions", json=_chat(model, stream=True)) as response:
@@ -251,6 +255,7 @@ def two_slot_worker(redis_url):
     worker.stop()
 
 
+@pytest.mark.cluster
 def test_a_cancel_id_shared_by_two_runs_cancels_both(gateways, two_slot_worker, redis_client):
     model = _served(gateways, two_slot_worker)
     cancel_id = uuid.uuid4().hex
@@ -285,6 +290,7 @@ def test_the_first_run_to_finish_leaves_the_other_cancellable(gateways, two_slot
     assert later.json()["choices"][0]["finish_reason"] == "length"
 
 
+@pytest.mark.cluster
 def test_cancel_before_the_request_is_sent(gateways, slow_worker):
     model = _served(gateways, slow_worker)
     cancel_id = uuid.uuid4().hex
@@ -295,6 +301,7 @@ def test_cancel_before_the_request_is_sent(gateways, slow_worker):
     assert metric_value(slow_worker.url, "llmfleet_worker_requests_total") == 0  # never reached the worker
 
 
+@pytest.mark.cluster
 def test_stale_cancel_id_touches_no_later_run(gateways, slow_worker):
     model = _served(gateways, slow_worker)
     short = {"max_tokens": 3}

@@ -115,6 +115,7 @@ async def light_position(redis_url: str, redis_client, model: str, fair_share: b
     return order.index("light") + 1
 
 
+@pytest.mark.cluster
 async def test_a_light_tenant_is_served_in_turn_not_behind_a_heavy_tenants_backlog(redis_url, redis_client, model):
     worker = one_slot_worker(redis_url, model)
     try:
@@ -185,6 +186,7 @@ async def test_an_express_slot_starts_a_light_tenants_request_while_every_slot_i
     assert claims == {"shared": 6, "express": 0}
 
 
+@pytest.mark.cluster
 async def test_a_dead_workers_tickets_run_their_own_requests_on_another_worker(redis_url, redis_client, model):
     slow = ("--scripted-tokens-per-second", "5", "--max-concurrency", "4", "--claim-idle", "1")
     victim = start_worker(redis_url, model, *slow)
@@ -211,6 +213,7 @@ async def test_a_dead_workers_tickets_run_their_own_requests_on_another_worker(r
             rescuer.stop()
 
 
+@pytest.mark.cluster
 async def test_queued_tickets_keep_cancels_queue_timeouts_and_the_backlog_bound(redis_url, redis_client, model):
     async with in_process_fleet(redis_url, max_queue=3) as fleet:
         # No worker yet: the bound counts tickets as it counts envelopes.

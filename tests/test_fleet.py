@@ -20,6 +20,7 @@ def expected_text(words: str, max_tokens: int) -> str:
     return " ".join(tokens[i % len(tokens)] for i in range(max_tokens))
 
 
+@pytest.mark.cluster
 async def test_100_concurrent_streams_through_two_gateways(scripted_fleet, redis_client):
     gateways, workers = scripted_fleet
     served_before = [metric_value(w.url, "llmfleet_worker_requests_total") for w in workers]
@@ -51,6 +52,7 @@ async def test_100_concurrent_streams_through_two_gateways(scripted_fleet, redis
     wait_for(lambda: not leftover_keys(redis_client), 5, "request entries to be acknowledged")
 
 
+@pytest.mark.cluster
 def test_sync_sdk_non_streaming_and_streaming_agree(scripted_fleet):
     gateways, _ = scripted_fleet
     client = openai.OpenAI(base_url=f"{gateways[0].url}/v1", api_key="x", max_retries=0)

@@ -73,7 +73,8 @@ def fuzzed_gateway(redis_url):
 OPERATIONS = [
     *(("POST", path) for path in BODY_MODELS),
     ("GET", "/v1/models"), ("GET", "/health"), ("GET", "/ready"), ("GET", "/metrics"), ("GET", "/version"),
-    ("GET", "/fleet/load"),
+    ("GET", "/fleet/load"), ("GET", "/load"), ("POST", "/invocations"),
+    ("GET", "/v1/responses/{response_id}/input_items"),
     ("GET", "/v1/streams/{response_id}"), ("GET", "/v1/responses/{response_id}"),
     ("DELETE", "/v1/responses/{response_id}"), ("POST", "/v1/responses/{response_id}/cancel"),
     ("POST", "/v1/sessions"), ("GET", "/v1/sessions"), ("GET", "/v1/sessions/{session_id}"),
@@ -105,6 +106,9 @@ def test_the_published_schema_has_every_request_model(fuzzed_gateway):
         body = published["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         assert body == {"$ref": f"#/components/schemas/{model}"}, (path, body)
         assert model in published["components"]["schemas"]
+    invocations = published["paths"]["/invocations"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert invocations == {"anyOf": [{"$ref": "#/components/schemas/ChatCompletionRequest"},
+                                     {"$ref": "#/components/schemas/CompletionRequest"}]}
     operations = {(method.upper(), path) for path, methods in published["paths"].items() for method in methods}
     assert operations - {("GET", "/openapi.json")} == set(OPERATIONS)
 

@@ -98,6 +98,7 @@ def test_the_static_key_serves_both_families(keyed_fleet):
     assert message.content[0].text == "alpha beta"
 
 
+@pytest.mark.cluster
 def test_a_managed_key_works_on_every_replica_until_revoked(keyed_fleet, redis_url):
     name, secret = create_key(redis_url, "--priority", "high")
     assert secret.startswith("sk-llmfleet-") and len(secret) > 40
@@ -132,6 +133,7 @@ def test_a_key_sees_only_its_models(keyed_fleet, redis_url):
     assert [m["id"] for m in listed.json()["data"]] == [MODEL]
 
 
+@pytest.mark.cluster
 def test_usage_per_key_and_model_in_redis_and_prometheus(keyed_fleet, redis_url, redis_client):
     name, secret = create_key(redis_url)
     for i, gateway in enumerate([*keyed_fleet, keyed_fleet[0]]):

@@ -46,6 +46,7 @@ def _wait_until_served(gateways, secret: str) -> None:
         wait_for(lambda g=gateway: _served(g, secret), 15, "the model to be served")
 
 
+@pytest.mark.cluster
 async def test_rpm_holds_across_two_gateways(limited_fleet, redis_url):
     _name, warmup = create_key(redis_url)
     _wait_until_served(limited_fleet, warmup)
@@ -117,6 +118,7 @@ def _window_tokens(redis_client, name: str) -> int:
     return sum(int(v) for v in redis_client.hvals(f"llmfleet:rate:{{{name}}}:tokens"))
 
 
+@pytest.mark.cluster
 async def test_tokens_count_while_a_stream_flows(limited_fleet, redis_url, redis_client):
     name, secret = create_key(redis_url, "--tpm", "100000")
     _wait_until_served(limited_fleet, secret)
@@ -154,6 +156,7 @@ def test_a_prompt_over_the_remaining_budget_is_refused_up_front(limited_fleet, r
     assert metric_value(gateway.url, "llmfleet_gateway_submitted_total", model=MODEL) == submitted  # never queued
 
 
+@pytest.mark.cluster
 async def test_max_parallel_frees_a_place_on_every_path(limited_fleet, redis_url):
     _name, secret = create_key(redis_url, "--max-parallel", "2")
     _wait_until_served(limited_fleet, secret)

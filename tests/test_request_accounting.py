@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -73,7 +75,8 @@ def test_answers_and_refusals_are_all_counted_by_family_endpoint_model_and_statu
         statuses.append(client.get("/v1/models").status_code)
         statuses.append(client.get("/v1/no-such-route").status_code)
     assert statuses == [200, 200, 200, 200, 400, 404, 413, 503, 503, 200, 200, 404]
-    assert '"code":502' in lost
+    frames = [line[6:] for line in lost.splitlines() if line.startswith("data: ")]
+    assert frames[-1] == "[DONE]" and json.loads(frames[-2])["error"]["code"] == 502
 
     after = {key: _count(url, **labels) for key, labels in SERIES.items()}
     assert {key: after[key] - before[key] for key in after} == {

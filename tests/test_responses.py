@@ -29,6 +29,7 @@ def words_of(*texts: str) -> int:
     return sum(len(t.split()) for t in texts)
 
 
+@pytest.mark.cluster
 def test_store_on_one_gateway_continue_retrieve_delete_on_the_other(scripted_fleet):
     one, other = clients(scripted_fleet)
     first = one.responses.create(model=SCRIPTED_MODEL, input="red green blue", instructions="be brief",
@@ -181,6 +182,7 @@ def bounded_store():
         proc.stop()
 
 
+@pytest.mark.cluster
 def test_a_flood_of_stored_responses_stays_bounded(bounded_store):
     from shared import redis_pool
 
@@ -228,6 +230,7 @@ def test_background_answers_at_once_runs_on_and_is_read_from_the_other_replica(s
     assert events[-1].response.output_text == done.output_text
 
 
+@pytest.mark.cluster
 def test_a_background_stream_resumed_on_the_other_replica_equals_the_whole_stream(scripted_fleet):
     gateways, _ = scripted_fleet
     body = {"model": SCRIPTED_MODEL, "input": "a resumable stream of words", "max_output_tokens": 400,
@@ -253,6 +256,7 @@ def test_a_background_stream_resumed_on_the_other_replica_equals_the_whole_strea
     assert stored.status == "incomplete" and stored.usage.output_tokens == 400
 
 
+@pytest.mark.cluster
 def test_cancel_a_background_response_from_the_other_replica(scripted_fleet):
     one, other = clients(scripted_fleet)
     # 400 tokens per second: 4000 tokens would take 10 s.
@@ -278,55 +282,27 @@ def test_cancel_a_background_response_from_the_other_replica(scripted_fleet):
 
 # --- tool calls and reasoning on the tiny vLLM model ----------------------------------------------
 
-VLLM_PROFILES = {  # the tiny model's parsers, as in tests/parity
-    "tools": ("resp-tools", ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]),
-    "think": ("resp-think", ["--reasoning-parser", "deepseek_r1"]),
-}
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo"]}},
                           "required": ["city"], "additionalProperties": False}, "strict": True}
 
 
 class TinyWorker:
-    """One vLLM worker at a time (a CPU engine busy-loops the machine), restarted with the parser
-    profile the next test needs; two gateways in front."""
+    """The session's vLLM workers of the tiny model (tests/conftest.py), with a client of each gateway."""
 
-    def __init__(self, redis_url: str, model_dir: str):
-        self.redis_url, self.model_dir = redis_url, model_dir
-        self.gateways = [start_gateway(redis_url, "--queue-timeout", "300") for _ in range(2)]
-        self.profile: str | None = None
-        self.worker = None
+    def __init__(self, workers):
+        self.workers = workers
 
     def serve(self, profile: str) -> tuple[str, openai.OpenAI, openai.OpenAI]:
-        name, options = VLLM_PROFILES[profile]
-        if self.profile != profile:
-            self.stop_worker()
-            self.worker = start_worker(self.redis_url, self.model_dir, "--max-model-len", "1024", "--enforce-eager",
-                                       "--dtype", "float32", *options, engine="vllm", served_name=name,
-                                       env={"VLLM_CPU_KVCACHE_SPACE": "1"}, timeout=300)
-            self.profile = profile
-            for gateway in self.gateways:
-                wait_until_served(gateway, name, timeout=60)
+        name = self.workers.serve(profile)
         one, other = (openai.OpenAI(base_url=f"{g.url}/v1", api_key="x", max_retries=0, timeout=300)
-                      for g in self.gateways)
+                      for g in self.workers.gateways)
         return name, one, other
-
-    def stop_worker(self) -> None:
-        if self.worker is not None:
-            assert self.worker.stop(timeout=60) == 0, self.worker.log()[-3000:]
-            self.worker = None
-
-    def stop(self) -> None:
-        for gateway in self.gateways:
-            gateway.stop()
-        self.stop_worker()
 
 
 @pytest.fixture(scope="module")
-def tiny_worker(redis_url, tiny_model_dir):
-    worker = TinyWorker(redis_url, tiny_model_dir)
-    yield worker
-    worker.stop()
+def tiny_worker(parser_workers):
+    return TinyWorker(parser_workers)
 
 
 @pytest.mark.vllm

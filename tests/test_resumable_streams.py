@@ -106,6 +106,7 @@ def _normalized(frames: list[bytes]) -> bytes:
     return re.sub(rb'"created":\d+', b'"created":0', text.replace(response_id, b"ID"))
 
 
+@pytest.mark.cluster
 def test_a_resumed_stream_equals_the_uninterrupted_one(gateways, model):
     name, worker = model
     first = _start(gateways[0].url, _chat(name), 5)
@@ -159,6 +160,7 @@ def test_a_stream_nobody_reads_is_cancelled_after_the_grace(gateways, model):
     assert _cancels(worker) == 1
 
 
+@pytest.mark.cluster
 def test_cancel_of_a_resumable_stream_from_any_replica(gateways, model):
     name, worker = model
     cancel_id = uuid.uuid4().hex
@@ -207,6 +209,7 @@ def test_refusals(gateways, model):
     assert answer.status_code == 400 and "maximum context length" in answer.json()["error"]["message"]
 
 
+@pytest.mark.cluster
 def test_a_flood_of_resumable_streams_leaves_nothing_behind(gateways, model, redis_client):
     name, worker = model
 

@@ -125,6 +125,7 @@ def test_session_routes_and_their_errors(http):
     assert session_id not in [s["session_id"] for s in one.get("/v1/sessions").json()["sessions"]]
 
 
+@pytest.mark.cluster
 def test_turns_continue_the_stored_history_on_either_gateway(fleet, http):
     _, gateways = fleet
     one, other = http
@@ -177,6 +178,7 @@ def test_a_streamed_turn_is_stored_as_streamed(http):
     assert history(one, session_id)[-2:] == [user("gamma delta epsilon"), {"role": "assistant", "content": text}]
 
 
+@pytest.mark.cluster
 def test_a_turn_whose_client_disconnects_stores_what_was_generated(redis_client_of, http):
     one, other = http
     session_id = new_session(one)
@@ -282,6 +284,7 @@ def test_the_engine_gets_the_whole_conversation_and_none_of_the_extensions(redis
     assert turn(one, session_id, user("third")).status_code == 200
 
 
+@pytest.mark.cluster
 def test_rollback_keeps_the_first_messages(http):
     one, other = http
     session_id = new_session(one)
@@ -298,6 +301,7 @@ def test_rollback_keeps_the_first_messages(http):
     assert turn(one, session_id, user("five"), max_tokens=1).json()["usage"]["prompt_tokens"] == 1
 
 
+@pytest.mark.cluster
 def test_snapshots_save_list_get_label_load_delete(http):
     one, other = http
     session_id = new_session(one, max_seq_len=2048)
@@ -388,6 +392,7 @@ def test_discard_thinking_keeps_reasoning_out_of_the_history(fleet):
                                                  "reasoning": "let me think"}
 
 
+@pytest.mark.cluster
 def test_every_key_has_a_ttl_and_sessions_are_bounded(redis_client_of, http):
     one, _ = http
     kept = new_session(one)

@@ -3,9 +3,12 @@ documented; and the deploy files repeat no default."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+import click
 import pytest
+import yaml
 from click.testing import CliRunner
 
 import llmfleet
@@ -46,3 +49,60 @@ def test_the_readme_documents_every_option(settings) -> None:
     table = README.read_text().split("## Configuration", 1)[1].split("\n## ", 1)[0]
     missing = [name for name, _, _ in options_of(settings) if f"`--{name}`" not in table]
     assert missing == []
+
+
+def _defaults() -> dict[str, object]:
+    """Every LLMFLEET_* variable the processes read, and its default (the settings', or the CLI's own)."""
+    found: dict[str, object] = {}
+    for command in (llmfleet.main, llmfleet.main.commands["gateway"], llmfleet.main.commands["worker"]):
+        for param in command.params:
+            if isinstance(param, click.Option) and param.default is not None:
+                found[param.envvar or f"LLMFLEET_{param.name.upper()}"] = param.default
+    return found
+
+
+def _same(value: str, default: object) -> bool:
+    if isinstance(default, bool):
+        return value.lower() == str(default).lower()
+    if isinstance(default, int | float):
+        try:
+            return float(value) == float(default)
+        except ValueError:
+            return False
+    return value == str(default)
+
+
+def _deploy_settings() -> list[tuple[str, str, str]]:
+    """(file, variable, value) of every LLMFLEET_* variable a deploy file sets: a compose file's
+    `${VAR:-value}` counts as `value`, the fallback it gives."""
+    root = README.parent
+    found = []
+    for path in (root / "docker-compose.yml", root / "deploy/docker-compose.gpu.yml"):
+        for variables in _environments(yaml.safe_load(path.read_text())):
+            for name, value in variables.items():
+                if name.startswith("LLMFLEET_") and isinstance(value, str):
+                    fallback = re.fullmatch(r"\$\{\w+:-([^}]*)\}", value)
+                    found.append((path.name, name, fallback.group(1) if fallback else value))
+    config = yaml.safe_load((root / "deploy/k8s/base/config.yaml").read_text())
+    found += [("config.yaml", name, value) for name, value in config["data"].items() if name.startswith("LLMFLEET_")]
+    return found
+
+
+def _environments(node):
+    if isinstance(node, dict):
+        if isinstance(node.get("environment"), dict):
+            yield node["environment"]
+        for value in node.values():
+            yield from _environments(value)
+
+
+def test_the_deploy_files_repeat_no_default() -> None:
+    """A deploy file sets what it changes; a default lives in the settings alone (an empty value
+    leaves it), so changing one there changes every deployment."""
+    defaults = _defaults()
+    assert {"LLMFLEET_MAX_CONCURRENCY", "LLMFLEET_REQUEST_TIMEOUT", "LLMFLEET_LOG_LEVEL"} <= set(defaults)
+    settings = _deploy_settings()
+    assert len(settings) > 10
+    repeated = [(file, name, value) for file, name, value in settings
+                if value != "" and name in defaults and _same(value, defaults[name])]
+    assert repeated == []

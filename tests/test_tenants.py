@@ -18,7 +18,7 @@ import pytest
 from tests.procs import start_gateway, start_worker, wait_for
 from tests.test_keys import create_key
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.cluster]
 
 MODEL = "tenant-model"
 STATIC_KEY = "static-" + uuid.uuid4().hex

@@ -20,6 +20,7 @@ def _chat(model: str, **extra) -> dict:
     return {"model": model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 30, **extra}
 
 
+@pytest.mark.cluster
 def test_full_queue_is_a_429_with_retry_after(redis_url, redis_client):
     model = f"busy-{uuid.uuid4().hex[:6]}"
     worker = start_worker(redis_url, model, "--scripted-tokens-per-second", "20", "--max-concurrency", "1")

@@ -31,8 +31,7 @@ from shared import keys
 from shared.codec import decode, decode_batch
 from shared.envelopes import ChunkEnvelope
 from tests.conftest import leftover_keys
-from tests.procs import (Proc, free_port, metric_value, spawn, wait_for, wait_until_answers,
-                         wait_until_served)
+from tests.procs import Proc, free_port, metric_value, spawn, wait_for, wait_until_answers, wait_until_served
 
 pytestmark = pytest.mark.integration
 

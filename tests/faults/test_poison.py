@@ -10,7 +10,7 @@ from shared import keys
 from tests.conftest import SCRIPTED_MODEL, leftover_keys
 from tests.procs import wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.cluster]
 
 POISON = [
     ({b"e": b"\xc1 not msgpack"}, "not a msgpack envelope"),

@@ -51,6 +51,7 @@ def _stream_text(body_text: str) -> str:
 
 
 @pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.cluster
 def test_worker_killed_before_the_first_token_is_replaced(redis_url, redis_client, gateway, stream):
     model = f"doomed-{uuid.uuid4().hex[:6]}"
     doomed = start_worker(redis_url, model, "--scripted-first-token-delay", "60")
@@ -72,6 +73,7 @@ def test_worker_killed_before_the_first_token_is_replaced(redis_url, redis_clien
         rescuer.stop()
 
 
+@pytest.mark.cluster
 def test_non_streaming_request_is_rerun_after_a_mid_generation_death(redis_url, gateway):
     model = f"doomed-{uuid.uuid4().hex[:6]}"
     doomed = start_worker(redis_url, model, "--scripted-tokens-per-second", "10")
@@ -93,6 +95,7 @@ def test_non_streaming_request_is_rerun_after_a_mid_generation_death(redis_url, 
         doomed.kill()
 
 
+@pytest.mark.cluster
 def test_worker_killed_mid_stream_ends_the_stream_with_an_error(redis_url, redis_client, gateway):
     model = f"doomed-{uuid.uuid4().hex[:6]}"
     doomed = start_worker(redis_url, model, "--scripted-tokens-per-second", "10")

@@ -54,6 +54,7 @@ from shared.errors import ErrorInfo, FleetError
 from worker.adapters.base import GENERATION_KINDS, TOKENIZER_KINDS, GenerationAdapter, TokenizerAdapter
 from worker.adapters.media import check_media_urls
 
+
 class _FirstToken:
     """When the engine's first output carrying a token came (wall clock; 0: not yet)."""
 

@@ -19,7 +19,12 @@ router = APIRouter()
 HANDLERS = ((ChatCompletionRequest, create_chat_completion), (CompletionRequest, create_completion))
 
 
-@router.post("/invocations")
+# The body is read by hand (the first model it validates as wins); the schema says which it may be.
+_BODY_SCHEMA = {"requestBody": {"required": True, "content": {"application/json": {"schema": {"anyOf": [
+    {"$ref": f"#/components/schemas/{model.__name__}"} for model, _ in HANDLERS]}}}}}
+
+
+@router.post("/invocations", openapi_extra=_BODY_SCHEMA)
 async def invocations(request: Request) -> Response:
     try:
         body = orjson.loads(await request.body())
