@@ -163,7 +163,7 @@ def tiny_model(directory: str) -> None:
 
 @main.group("keys")
 def keys_group() -> None:
-    """Managed API keys, for gateways started with --require-keys (gateway/keys.py)."""
+    """Managed API keys, for gateways started with --require-keys (gateway/fleet/api_keys.py)."""
 
 
 def _with_key_store(redis_url: str, action):

@@ -35,7 +35,7 @@ RELAY_DELAY = Histogram("llmfleet_gateway_relay_seconds", "From a worker's reply
 INTER_TOKEN_LATENCY = Histogram("llmfleet_gateway_inter_token_seconds", "Gaps between a stream's token events as "
                                 "this gateway relays them (what a client sees)", ["model"],
                                 buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5))
-# Per managed API key (gateway/ratelimit.py): labelled by key name, which only an operator makes
+# Per managed API key (gateway/fleet/rate_limits.py): labelled by key name, which only an operator makes
 # (`llmfleet keys create`), never by secret, so the series stay bounded.
 KEY_REQUESTS = Counter("llmfleet_gateway_key_requests_total", "Requests admitted, by API key name and model",
                        ["key", "model"])

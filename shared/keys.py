@@ -54,12 +54,12 @@ part of the name. `<...>` is a placeholder.
 |                                      |         | reaches the subscribers of every node    |
 | llmfleet:events:{<response_id>}      | stream  | MAXLEN ~EVENT_LOG_MAXLEN; TTL: the run's |
 |                                      |         | deadline, then the gateway's keep time   |
-|                                      |         | once it ended (gateway/streams.py)       |
+|                                      |         | once it ended (gateway/serve/resumable.py)       |
 | llmfleet:reader:{<response_id>}      | string  | TTL STREAM_READER_TTL_S, refreshed while |
 |                                      |         | a client follows the events elsewhere    |
 | llmfleet:response:{<response_id>}    | hash    | TTL: the gateway's response store TTL;   |
-|                                      |         | a stored Response (gateway/openai/       |
-|                                      |         | response_store.py), at most its max bytes|
+|                                      |         | a stored Response (gateway/fleet/        |
+|                                      |         | responses.py), at most its max bytes     |
 | llmfleet:responses:{stored}          | zset    | TTL: the store's TTL, refreshed; at most |
 |                                      |         | the store's max entries (oldest evicted, |
 |                                      |         | with their hashes)                       |
@@ -79,7 +79,7 @@ part of the name. `<...>` is a placeholder.
 |                                      |         | with an express slot wait on it (BLPOP)  |
 | llmfleet:key:{<name>}                | hash    | TTL: the key's lifetime (`llmfleet keys  |
 |                                      |         | create --expires-in`); a managed API key |
-|                                      |         | (gateway/keys.py), its secret's SHA-256  |
+|                                      |         | (gateway/fleet/api_keys.py), its secret's SHA-256  |
 | llmfleet:key-digest:{<sha256>}       | string  | TTL: as its key; digest -> key name      |
 | llmfleet:rate:{<name>}:requests      | hash    | TTL 2 rate windows, refreshed; requests  |
 | llmfleet:rate:{<name>}:tokens        | hash    | per slot of the window (RATE_SLOTS at    |
@@ -91,7 +91,7 @@ part of the name. `<...>` is a placeholder.
 |                                      |         | tokens per model (one field per counter) |
 | llmfleet:session:{<session_id>}      | hash    | TTL: the gateway's session TTL, renewed  |
 |                                      |         | by each turn; a session's facts          |
-|                                      |         | (gateway/sessions.py)                    |
+|                                      |         | (gateway/fleet/sessions.py)                    |
 | llmfleet:session:{<session_id>}      | list    | TTL: as its session; one JSON message    |
 |   :messages                          |         | each, at most the session's max messages |
 |                                      |         | and bytes (checked before each turn)     |
@@ -112,11 +112,11 @@ The keys that share a slot, and the operation that needs it:
   and a worker's one XREADGROUP of its own stream and its model's.
 - `{<request_id>}`: the worker's lease/cancel-stash/streamed check, and the one DEL of all three
   when the request ends.
-- `{<group>}`: the register, finish and cancel-by-group scripts (`gateway/cancel.py`).
+- `{<group>}`: the register, finish and cancel-by-group scripts (`gateway/fleet/cancels.py`).
 - `{workers}`: the registry's MGET of every heartbeat.
 - `{<name>}` (an API key's): the admission and settling scripts of its limits and usage
-  (`gateway/ratelimit.py`).
-- `{<session_id>}`: the session scripts (`gateway/sessions.py`): a turn's lock, its end (the
+  (`gateway/fleet/rate_limits.py`).
+- `{<session_id>}`: the session scripts (`gateway/fleet/sessions.py`): a turn's lock, its end (the
   messages appended and the lock released in one step), rollback and a snapshot's load.
 Commands on keys of different tags share pipelines, never a command or a script.
 """
@@ -141,7 +141,7 @@ CANCEL_MEMORY_TTL_S = 600  # how long a cancel waits for its run to show up
 DEAD_LETTER_MAXLEN = 10_000
 DEAD_LETTER_KEEP_BYTES = 64 * 1024  # of a poison envelope, kept for inspection
 CANCEL_CHANNEL = f"{PREFIX}:cancel"
-# A response's events kept for a client that reconnects (gateway/streams.py): past this many,
+# A response's events kept for a client that reconnects (gateway/serve/resumable.py): past this many,
 # the oldest go, and a resume from before them gets a 404.
 EVENT_LOG_MAXLEN = 20_000
 STREAM_READER_TTL_S = 3  # a follower on another replica refreshes it every second
@@ -228,7 +228,7 @@ def streamed_key(request_id: str) -> str:
 
 def cancel_group(tenant: str, *, cancel_id: str | None = None, session_id: str | None = None) -> str:
     """The cancel group of a tenant's `cancel_id`, or of its session: the runs a cancel by that
-    name stops. A tenant's name holds no `/` (gateway/keys.py NAME), so no two tenants' groups, and
+    name stops. A tenant's name holds no `/` (gateway/fleet/api_keys.py NAME), so no two tenants' groups, and
     no cancel_id and session of one tenant, share a name."""
     if cancel_id is not None:
         return f"{tenant}/c/{cancel_id}"
@@ -275,7 +275,7 @@ def bound_requests(model: str) -> str:
     return f"{PREFIX}:bound:{_tag(model)}"
 
 
-# Managed API keys (gateway/keys.py) and their limits and usage (gateway/ratelimit.py). A key's
+# Managed API keys (gateway/fleet/api_keys.py) and their limits and usage (gateway/fleet/rate_limits.py). A key's
 # name is its tag: its rate windows, requests in flight and usage live on one node.
 API_KEY_RECORD_PATTERN = f"{PREFIX}:key:*"
 USAGE_PATTERN = f"{PREFIX}:usage:*"
@@ -301,7 +301,7 @@ def usage_key(name: str) -> str:
     return f"{PREFIX}:usage:{_tag(name)}"
 
 
-# Sessions and their snapshots (gateway/sessions.py): a session's keys share its id's tag, so
+# Sessions and their snapshots (gateway/fleet/sessions.py): a session's keys share its id's tag, so
 # its scripts run on one node.
 SESSION_INDEX = f"{PREFIX}:sessions:{{sessions}}"  # session ids by last use, for the bound
 SNAPSHOT_INDEX = f"{PREFIX}:snapshots:{{snapshots}}"  # snapshot ids by creation, for the bound

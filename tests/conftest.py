@@ -13,9 +13,33 @@ import pytest
 import redis
 
 from shared import redis_pool
+from tests.parity.harness import ParserWorkers
 from tests.procs import Proc, start_gateway, start_redis, start_redis_cluster, start_worker, wait_until_served
 
 SCRIPTED_MODEL = "scripted-model"
+
+
+def _needs_the_stack(item: pytest.Item) -> bool:
+    return "stack" in getattr(item, "fixturenames", ())
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The compose stack's tests last (stable otherwise): its images build meanwhile."""
+    items.sort(key=_needs_the_stack)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if not session.config.option.collectonly and any(map(_needs_the_stack, session.items)):
+        from tests.compose.preparation import PREPARATION
+
+        PREPARATION.start()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Stop a dockerd started for the stack even when its tests never ran (-x, a deselection)."""
+    from tests.compose.preparation import PREPARATION
+
+    PREPARATION.stop()
 
 
 @pytest.fixture(scope="session")
@@ -73,46 +97,10 @@ def leftover_keys(client: redis.Redis) -> list[str]:
     return leftovers
 
 
-# The tiny model's parser profiles, as tests/parity has them: one vLLM worker each, started on first
-# use and shared by every test that needs one (a vLLM worker takes ~30 s to start and busies both cores).
-PARSER_PROFILES = {
-    "tools": ("tiny-tools", ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]),
-    "think": ("tiny-think", ["--reasoning-parser", "deepseek_r1"]),
-}
-
-
-class ParserWorkers:
-    """A vLLM worker per parser profile, started when a test first asks for it; two gateways in front."""
-
-    def __init__(self, redis_url: str, model_dir: str):
-        self.redis_url, self.model_dir = redis_url, model_dir
-        self.gateways = [start_gateway(redis_url, "--queue-timeout", "300") for _ in range(2)]
-        self.workers: dict[str, Proc] = {}
-
-    @property
-    def gateway(self) -> Proc:
-        return self.gateways[0]
-
-    def serve(self, profile: str) -> str:
-        """The served name of the profile's worker, started if it is not yet."""
-        name, options = PARSER_PROFILES[profile]
-        if profile not in self.workers:
-            self.workers[profile] = start_worker(
-                self.redis_url, self.model_dir, "--max-model-len", "1024", "--enforce-eager", "--dtype", "float32",
-                *options, engine="vllm", served_name=name, env={"VLLM_CPU_KVCACHE_SPACE": "1"}, timeout=300)
-            for gateway in self.gateways:
-                wait_until_served(gateway, name, timeout=60)
-        return name
-
-    def stop(self) -> None:
-        for gateway in self.gateways:
-            gateway.stop()
-        for worker in self.workers.values():
-            assert worker.stop(timeout=60) == 0, worker.log()[-3000:]
-
-
 @pytest.fixture(scope="session")
 def parser_workers(redis_url: str, tiny_model_dir: str):
+    """A vLLM worker per parser profile of the tiny model, started on first use and shared by every
+    test that needs one, the parity battery's included (a vLLM worker takes ~30 s to start)."""
     workers = ParserWorkers(redis_url, tiny_model_dir)
     yield workers
     workers.stop()

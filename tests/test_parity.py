@@ -18,8 +18,8 @@ from tests.procs import LOG_DIR
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
 
-def test_every_answer_matches_vllm_serve(tiny_model_dir):
-    with running_servers(tiny_model_dir) as servers:  # its own Redis: no other test's workers
+def test_every_answer_matches_vllm_serve(tiny_model_dir, parser_workers):
+    with running_servers(tiny_model_dir, parser_workers) as servers:
         results = run_battery(servers)
     report = summary(results)
     LOG_DIR.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""Sessions and snapshots (gateway/sessions.py) across two gateways over one Redis.
+"""Sessions and snapshots (gateway/fleet/sessions.py) across two gateways over one Redis.
 
 A session made through one gateway is continued, read, rolled back, saved and loaded through the
 other: the state lives in Redis. The scripted engine repeats the last user message's words, one

@@ -27,7 +27,8 @@ def sse(event: dict[str, Any]) -> bytes:
 
 
 def usage_body(usage: Usage | None, details: bool = False) -> dict[str, Any]:
-    """OpenAI usage; `details` adds vLLM's null detail fields (whole responses)."""
+    """OpenAI usage; `details` adds vLLM's null detail fields (whole responses). The prompt's
+    details are there where the engine reports them (`--enable-prompt-tokens-details`)."""
     usage = usage or Usage()
     body: dict[str, Any] = {
         "prompt_tokens": usage.prompt_tokens,
@@ -35,7 +36,10 @@ def usage_body(usage: Usage | None, details: bool = False) -> dict[str, Any]:
         "completion_tokens": usage.completion_tokens,
     }
     if usage.cached_tokens is not None:
-        body["prompt_tokens_details"] = {"cached_tokens": usage.cached_tokens}
+        body["prompt_tokens_details"] = {"cached_tokens": usage.cached_tokens,
+                                         "created_cache_tokens": usage.created_cache_tokens or 0}
+        if details:
+            body["prompt_tokens_details"]["multimodal_tokens"] = None
     elif details:
         body["prompt_tokens_details"] = None
     if usage.reasoning_tokens is not None:

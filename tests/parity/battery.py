@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-TOOLS_MODEL = "tiny"
+TOOLS_MODEL = "tiny-tools"
 THINK_MODEL = "tiny-think"
 MAX_MODEL_LEN = 1024
 
@@ -215,7 +215,7 @@ def build() -> list[Case]:
     b.add("errors", "unknown model", C, chat(model="no-such-model"), **bad)
     b.add("errors", "tool_choice without tools", C, chat(tool_choice="required"), **bad)
     b.add("errors", "empty tools", C, chat(tools=[]), **bad)
-    b.add("errors", "broken JSON", C, b'{"model": "tiny", "messages": [', **bad)
+    b.add("errors", "broken JSON", C, b'{"model": "tiny-tools", "messages": [', **bad)
     b.add("errors", "continue_final_message with add_generation_prompt", C,
           chat(continue_final_message=True, add_generation_prompt=True), **bad)
     b.add("errors", "two structured constraints", C,
@@ -240,7 +240,7 @@ def build() -> list[Case]:
     b.add("errors", "json_schema without a schema", C, chat(response_format={"type": "json_schema"}), **bad)
     b.add("errors", "named tool that does not exist", C,
           chat(tools=[WEATHER_TOOL], tool_choice={"type": "function", "function": {"name": "nope"}}), **bad)
-    b.add("errors", "invocations body of no known shape", "/invocations", {"model": TOOLS_MODEL}, **bad)
+    b.add("errors", "invocations body of no known shape", "/invocations", {"model": TOOLS_MODEL, "prompt": 5}, **bad)
 
     # Rules of the OpenAI API that vllm serve leaves to the chat template: held to the API's answer.
     def openai_rule(param: str) -> dict[str, Any]:

@@ -133,7 +133,7 @@ def build() -> list[Case]:
           message(tools=tools, tool_choice={"type": "tool"}), **bad)
     b.add("anthropic errors", "tool without input_schema", M, message(tools=[{"name": "f"}]), **bad)
     b.add("anthropic errors", "messages as a string", M, message(messages="hello"), **bad)
-    b.add("anthropic errors", "broken JSON", M, b'{"model": "tiny", "messages": [', **bad)
+    b.add("anthropic errors", "broken JSON", M, b'{"model": "tiny-tools", "messages": [', **bad)
     b.add("anthropic errors", "prompt longer than the context", M,
           message(messages=[{"role": "user", "content": "word " * 1200}]), **bad)
     b.add("anthropic errors", "prompt longer than the context (stream)", M,

@@ -103,7 +103,7 @@ def build() -> list[Case]:
     b.add("errors", "temperature 3", R, tools(temperature=3), **bad)
     b.add("errors", "max_output_tokens 0", R, tools(max_output_tokens=0), **bad)
     b.add("errors", "unknown model", R, tools(model="nope"), **bad)
-    b.add("errors", "malformed JSON", R, b'{"model": "tiny", "input": ', **bad)
+    b.add("errors", "malformed JSON", R, b'{"model": "tiny-tools", "input": ', **bad)
     b.add("errors", "unknown previous_response_id", R, tools(previous_response_id="resp_unknown"), **bad)
     b.add("errors", "encrypted reasoning input", R, tools(input=[
         {"type": "reasoning", "summary": [], "encrypted_content": "xyz"}, user("Hi")]), **bad)

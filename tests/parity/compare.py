@@ -42,9 +42,17 @@ def frames(raw: str) -> list[list[str]]:
     return [frame.split("\n") for frame in raw.split("\n\n") if frame]
 
 
+# What a Response echoes of its request (`tools`, `text`, `tool_choice`): vllm serve passes them
+# through the OpenAI SDK's types, which add the optional fields it has as nulls and order them;
+# llmfleet echoes them as the client sent them (docs/compatibility.md). Their own keys are not compared.
+ECHOED = ("tools", "text", "tool_choice")
+
+
 def _keys(value: Any) -> Any:
     """The keys of a JSON value in the order written, nested (a list by its first element)."""
     if isinstance(value, dict):
+        if value.get("object") == "response":
+            return [(key, None if key in ECHOED else _keys(item)) for key, item in value.items()]
         return [(key, _keys(item)) for key, item in value.items()]
     if isinstance(value, list) and value:
         return [_keys(value[0])]
@@ -64,8 +72,9 @@ def _writing(frame: list[str]) -> tuple[str, tuple[str, ...], Any, bool] | None:
     return kind, fields, _keys(payload), compact
 
 
-def frame_differences(expected: str, actual: str) -> list[str]:
-    """Where two streams' frames are written differently, whatever their values and splits."""
+def frame_differences(expected: str, actual: str, ending: bool = True) -> list[str]:
+    """Where two streams' frames are written differently, whatever their values and splits; with
+    `ending`, also where they end differently (the Responses battery judges its last event itself)."""
     def by_kind(raw: str) -> dict[str, set]:
         written: dict[str, set] = {}
         for frame in frames(raw):
@@ -80,8 +89,8 @@ def frame_differences(expected: str, actual: str) -> list[str]:
         if vllm[kind] != fleet[kind]:
             out.append(f"frames of {kind!r} written differently: vllm {sorted(vllm[kind])} != llmfleet "
                        f"{sorted(fleet[kind])}")
-    endings = [frames(raw)[-1] if frames(raw) else [] for raw in (expected, actual)]
-    if endings[0] != endings[1]:
+    endings = [_writing(last) or last for raw in (expected, actual) for last in (frames(raw) or [[]])[-1:]]
+    if ending and endings[0] != endings[1]:
         out.append(f"last frame: vllm {endings[0]} != llmfleet {endings[1]}")
     return out
 

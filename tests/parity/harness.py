@@ -15,6 +15,7 @@ import json
 import sys
 import tempfile
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,12 +38,43 @@ from tests.procs import (
 )
 
 ENGINE_OPTIONS = ["--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--dtype", "float32"]
+# The tiny model's parser profiles: served name and the options given to both `vllm serve` and
+# `llmfleet worker`. The tests that need a parser use the same workers (tests/conftest.py).
 PROFILES = {
     "tools": (TOOLS_MODEL, ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]),
     # With the prefix cache's counts in usage: Anthropic's cache_read_input_tokens come from them.
     "think": (THINK_MODEL, ["--reasoning-parser", "deepseek_r1", "--enable-prompt-tokens-details"]),
 }
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+class ParserWorkers:
+    """A vLLM worker per parser profile, each started when first asked for; two gateways in front."""
+
+    def __init__(self, redis_url: str, model_dir: str):
+        self.redis_url, self.model_dir = redis_url, model_dir
+        self.gateways = [start_gateway(redis_url, "--queue-timeout", "300") for _ in range(2)]
+        self.workers: dict[str, Proc] = {}
+
+    @property
+    def gateway(self) -> Proc:
+        return self.gateways[0]
+
+    def serve(self, profile: str) -> str:
+        """The served name of the profile's worker, started if it is not yet."""
+        name, options = PROFILES[profile]
+        if profile not in self.workers:
+            self.workers[profile] = start_worker(self.redis_url, self.model_dir, *ENGINE_OPTIONS, *options,
+                                                 engine="vllm", served_name=name, env=ENGINE_ENV, timeout=300)
+            for gateway in self.gateways:
+                wait_until_served(gateway, name, timeout=60)
+        return name
+
+    def stop(self) -> None:
+        for gateway in self.gateways:
+            gateway.stop()
+        for worker in self.workers.values():
+            assert worker.stop(timeout=60) == 0, worker.log()[-3000:]
 
 
 @dataclass
@@ -62,28 +94,27 @@ def _start_vllm_serve(model_dir: str, name: str, options: list[str]) -> Proc:
 
 
 @contextlib.contextmanager
-def running_servers(model_dir: str, redis_url: str | None = None) -> Iterator[Servers]:
-    """Both servers for every profile; everything started here is stopped here, by PID."""
+def running_servers(model_dir: str, workers: ParserWorkers | None = None) -> Iterator[Servers]:
+    """`vllm serve` for every profile beside llmfleet's `workers` (made here on a Redis of their own
+    when not given). Everything started here is stopped here, by PID."""
     procs: list[Proc] = []
+    owned = workers is None
     try:
         serves = {profile: _start_vllm_serve(model_dir, name, options)
                   for profile, (name, options) in PROFILES.items()}
         procs += serves.values()
-        if redis_url is None:
+        if owned:
             redis = start_redis()
             procs.append(redis)
-            redis_url = redis.url
-        for name, options in PROFILES.values():
-            procs.append(start_worker(redis_url, model_dir, *ENGINE_OPTIONS, *options, engine="vllm",
-                                      served_name=name, env=ENGINE_ENV, timeout=300))
-        gateway = start_gateway(redis_url)
-        procs.append(gateway)
+            workers = ParserWorkers(redis.url, model_dir)
+        for profile in PROFILES:  # while the `vllm serve`s start
+            workers.serve(profile)
         for proc in serves.values():
             wait_until_answers(proc, "/health", 300)
-        for name, _ in PROFILES.values():
-            wait_until_served(gateway, name)
-        yield Servers({profile: proc.url for profile, proc in serves.items()}, gateway.url)
+        yield Servers({profile: proc.url for profile, proc in serves.items()}, workers.gateway.url)
     finally:
+        if owned and workers is not None:
+            workers.stop()
         for proc in reversed(procs):
             proc.stop(timeout=60)
 
@@ -140,10 +171,14 @@ def run_battery(servers: Servers, cases: list[Case] | None = None) -> list[Resul
     cases = cases or build() + battery_responses.build() + battery_messages.build()
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     answers = open(LOG_DIR / "parity-answers.jsonl", "w")  # noqa: SIM115 - closed below
-    with answers, httpx.Client(timeout=300) as client:  # generous: CI machines are slow and shared
+    # One request at a time on each server (a batch may change float results), both servers at once.
+    # Timeouts generous: CI machines are slow and shared.
+    with answers, httpx.Client(timeout=300) as to_vllm, httpx.Client(timeout=300) as to_fleet, \
+            ThreadPoolExecutor(1) as beside:
         for i, case in enumerate(cases, 1):
-            vllm_answer = expected = send(client, servers.vllm[case.profile], case)
-            actual = send(client, servers.fleet, case)
+            from_vllm = beside.submit(send, to_vllm, servers.vllm[case.profile], case)
+            actual = send(to_fleet, servers.fleet, case)
+            vllm_answer = expected = from_vllm.result()
             if case.api is not None:  # vllm serve accepts it; llmfleet answers as the OpenAI API does
                 expected = Answer(case.api[0], {"error": {"type": case.api[1], "param": case.api[2],
                                                              "code": None}}, False)
@@ -155,7 +190,7 @@ def run_battery(servers: Servers, cases: list[Case] | None = None) -> list[Resul
             else:
                 diffs = differences(view(expected), view(actual)) + sdk_problems(case, servers.fleet)
             if expected.raw and actual.raw:
-                diffs += frame_differences(expected.raw, actual.raw)
+                diffs += frame_differences(expected.raw, actual.raw, ending=case.path != battery_responses.PATH)
             answers.write(json.dumps({"case": case.name, "vllm": [vllm_answer.status, vllm_answer.body],
                                       "llmfleet": [actual.status, actual.body]}) + "\n")
             notes = []

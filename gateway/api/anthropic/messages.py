@@ -64,8 +64,8 @@ def _usage(usage: Usage | None) -> dict[str, int]:
     `input_tokens`, and present only where the engine reports them (`--enable-prompt-tokens-details`)."""
     usage = usage or Usage()
     body = {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens}
-    for field, count in (("cache_read_input_tokens", usage.cached_tokens),
-                         ("cache_creation_input_tokens", usage.created_cache_tokens)):
+    for field, count in (("cache_creation_input_tokens", usage.created_cache_tokens),
+                         ("cache_read_input_tokens", usage.cached_tokens)):
         if count is not None:
             body["input_tokens"] -= count
             body[field] = count
@@ -97,10 +97,10 @@ class _Blocks:
     def start(self, block: dict[str, Any]) -> list[dict[str, Any]]:
         self.open = block["type"]
         self.tool_id = block.get("id")
-        return [{"type": "content_block_start", "index": self.index, "content_block": block}]
+        return [{"type": "content_block_start", "content_block": block, "index": self.index}]
 
     def delta(self, delta: dict[str, Any]) -> dict[str, Any]:
-        return {"type": "content_block_delta", "index": self.index, "delta": delta}
+        return {"type": "content_block_delta", "delta": delta, "index": self.index}
 
     def stop(self) -> list[dict[str, Any]]:
         if self.open is None:
@@ -128,7 +128,7 @@ class _Blocks:
         return self.stop_and_flush() + self.start(block)
 
     def reasoning(self, text: str) -> list[dict[str, Any]]:
-        events = self.switch_to({"type": "thinking", "thinking": "", "signature": ""})
+        events = self.switch_to({"type": "thinking", "thinking": ""})  # its signature comes last, as a delta
         return [*events, self.delta({"type": "thinking_delta", "thinking": text})]
 
     def text(self, text: str) -> list[dict[str, Any]]:

@@ -178,7 +178,7 @@ class MessagesRequest(PromptFields):
     # llmfleet extensions, as on chat: a key for POST /v1/cancel, and a deadline of the client's own.
     cancel_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     timeout: Annotated[float, Field(gt=0)] | None = None
-    resumable: bool = False  # an extension: the stream survives its client (gateway/streams.py)
+    resumable: bool = False  # an extension: the stream survives its client (gateway/serve/resumable.py)
 
     @field_validator("max_tokens")
     @classmethod

@@ -109,7 +109,7 @@ class ChatFormatter(Formatter):
 
 class SessionChatFormatter(ChatFormatter):
     """Chat's formatter for a turn of a session: it also keeps what choice 0 generated, streaming
-    or whole, for the session to store (gateway/sessions.py)."""
+    or whole, for the session to store (gateway/api/sessions.py)."""
 
     def __init__(self, request: ChatCompletionRequest, envelope: RequestEnvelope):
         super().__init__(request, envelope)

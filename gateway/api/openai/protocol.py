@@ -127,7 +127,7 @@ class GenerationRequest(OpenAIModel):
     user: str | None = None
     cancel_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     timeout: Annotated[float, Field(gt=0)] | None = None  # seconds; capped by the gateway's limit
-    resumable: bool = False  # an extension: the stream survives its client (gateway/streams.py)
+    resumable: bool = False  # an extension: the stream survives its client (gateway/serve/resumable.py)
     # An extension: the request's stage times ("timings": queue, prefill, decode, relay, total,
     # tokens per second) on the response, or on a stream's last chunk (serving.request_timings).
     include_timings: bool = False
@@ -187,7 +187,7 @@ class ChatCompletionRequest(GenerationRequest):
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    # Extensions (gateway/sessions.py), never forwarded to the engine: the turn continues this
+    # Extensions (gateway/api/sessions.py), never forwarded to the engine: the turn continues this
     # stored session; `discard_thinking` keeps the turn's reasoning out of what is stored.
     session_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     discard_thinking: bool = True
@@ -401,5 +401,5 @@ class CancelRequest(OpenAIModel):
 
 
 # The ids each family shows a client, `<prefix><request_id>`: chat, completions, Anthropic
-# messages, Responses (gateway/openai/, gateway/anthropic/).
+# messages, Responses (gateway/api/openai/, gateway/api/anthropic/).
 RESPONSE_ID_PREFIXES = ("chatcmpl-", "cmpl-", "msg_", "resp_")

@@ -294,7 +294,7 @@ def _text_part(text: str) -> dict[str, Any]:
 
 def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
     return {"id": item_id, "content": [_text_part(text)] if text else [], "role": "assistant", "status": status,
-            "type": "message"}
+            "type": "message", "phase": None}
 
 
 def _reasoning_item(item_id: str, text: str, status: str | None) -> dict[str, Any]:
@@ -304,7 +304,7 @@ def _reasoning_item(item_id: str, text: str, status: str | None) -> dict[str, An
 
 def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
     return {"arguments": arguments, "call_id": call_id, "name": name, "type": "function_call", "id": item_id,
-            "status": status}
+            "async": None, "caller": None, "namespace": None, "status": status}
 
 
 STATUS_BY_FINISH = {"length": "incomplete", "cancelled": "cancelled", "error": "failed"}
@@ -312,6 +312,9 @@ STATUS_BY_FINISH = {"length": "incomplete", "cancelled": "cancelled", "error": "
 # response.incomplete: the API names no event of its own for it, and the SDK's stream ends on this one.
 FINAL_EVENTS = {"completed": "response.completed", "incomplete": "response.incomplete",
                 "cancelled": "response.incomplete", "failed": "response.failed"}
+
+
+LATE_FIELDS = {"response.function_call_arguments.done": ("name",)}
 
 
 class ResponsesFormatter(Formatter):
@@ -382,9 +385,12 @@ class ResponsesFormatter(Formatter):
 
     # -- events --
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
-        event = {"type": kind, **fields, "sequence_number": self.sequence}
+        """An event, its fields in the order of the OpenAI SDK's event types, as vllm serve writes
+        them: by name, but for a field the SDK added later (LATE_FIELDS), which comes last."""
+        fields.update(sequence_number=self.sequence, type=kind)
         self.sequence += 1
-        return event
+        late = LATE_FIELDS.get(kind, ())
+        return dict(sorted(fields.items(), key=lambda field: (field[0] in late, field[0])))
 
     def _take_usage(self, chunk: GenerationChunk) -> None:
         if chunk.usage is not None and chunk.usage.prompt_tokens:
@@ -433,7 +439,7 @@ class ResponsesFormatter(Formatter):
             return events + [self._event("response.output_item.added", output_index=index, item=self.item)]
         if state == "text":
             self.item = _message_item(_item_id("msg"), "", "in_progress")
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            part = {**_text_part(""), "logprobs": []}
         else:
             self.item = _reasoning_item(_item_id("rs"), "", "in_progress")
             self.item["content"] = None
