@@ -45,18 +45,23 @@ $(SYSTEM_STAMP): Makefile
 up: install
 	$(BIN)/llmfleet up
 
-# Every tier, then the tests of the multi-key scripts and slots again on a 3-primary Redis Cluster
-# (redis+cluster://, marker `cluster`): the hash-tagged keys must hold there too.
+# Every tier, in three passes, each printing its slowest tests:
+# 1. the in-process and multi-process tiers, on three pytest workers at once (they mostly wait);
+# 2. the vLLM and compose tiers one test at a time (a CPU engine busies every core), the compose
+#    images building meanwhile and its stack's tests last (tests/compose/preparation.py);
+# 3. the tests of the multi-key scripts and slots again on a 3-primary Redis Cluster
+#    (redis+cluster://, marker `cluster`): the hash-tagged keys must hold there too.
 test: install system-deps
-	$(BIN)/python -m pytest -q --durations=25
-	LLMFLEET_TEST_REDIS=cluster $(BIN)/python -m pytest -q --durations=10 -m "cluster and not vllm"
+	$(BIN)/python -m pytest -q -n 3 -m "not vllm and not compose" --durations=25
+	$(BIN)/python -m pytest -q -m "vllm or compose" --durations=25
+	LLMFLEET_TEST_REDIS=cluster $(BIN)/python -m pytest -q -n 3 -m "cluster and not vllm" --durations=10
 
 # The soak for five minutes (`make test` runs it for one).
 soak: install
 	LLMFLEET_SOAK_SECONDS=300 $(BIN)/python -m pytest -q tests/faults/test_soak.py
 
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not vllm and not compose"
+	$(BIN)/python -m pytest -q -n 3 -m "not vllm and not compose"
 
 # The parity battery alone: vllm serve and llmfleet side by side, the table of matches per feature.
 parity: install

@@ -23,7 +23,7 @@ SLOW_CLIENTS = Counter("llmfleet_gateway_slow_client_cancels_total",
                        "Requests cancelled because their client stopped reading")
 STALE_REPLIES = Counter("llmfleet_gateway_stale_replies_total", "Reply envelopes dropped because they came from a "
                         "worker that had lost the request's lease (another worker had taken it over)")
-# Fleet-wide figures read from Redis with each registry refresh (every second): every gateway
+# Fleet-wide figures read from Redis with each registry refresh (every half second): every gateway
 # reports the same values, so aggregate them with max(), not sum().
 BACKLOG = Gauge("llmfleet_gateway_backlog", "Requests in the model's queue: waiting for a worker's free slot, "
                 "or running on a worker (claimed, not yet answered)", ["model", "state"])

@@ -239,7 +239,7 @@ def start_worker(redis_url: str, model: str, *args: str, engine: str = "scripted
 
 
 def wait_until_served(gateway: Proc, model: str, timeout: float = 10) -> None:
-    """Wait until the gateway's registry lists `model` (it refreshes every second)."""
+    """Wait until the gateway's registry lists `model` (it refreshes every half second)."""
     def listed():
         data = httpx.get(f"{gateway.url}/v1/models", timeout=2).json()["data"]
         return any(m["id"] == model for m in data)

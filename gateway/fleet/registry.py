@@ -1,7 +1,7 @@
 """The live worker registry, as each gateway sees it.
 
-Workers write a heartbeat key with a short TTL; a gateway refreshes its view every second by
-scanning those keys. A model is *served* while some live worker announces it, and *known* while
+Workers write a heartbeat key with a short TTL; a gateway refreshes its view every REFRESH_S
+(half a second) by scanning those keys. A model is *served* while some live worker announces it, and *known* while
 it is configured on the gateway (`--models`), remembered by this gateway (served within the last
 hour), or its `model:{name}` key lives (an hour after the last heartbeat). An unknown model is a
 404. A known model with no live worker is queued like any other: its backlog is what wakes a
