@@ -13,8 +13,15 @@ import pytest
 import redis
 
 from shared import redis_pool
-from tests.parity.harness import ParserWorkers
-from tests.procs import Proc, start_gateway, start_redis, start_redis_cluster, start_worker, wait_until_served
+from tests.parity.harness import ParserWorkers, VllmServes
+from tests.procs import (
+    Proc,
+    start_gateway,
+    start_redis,
+    start_redis_cluster,
+    start_worker,
+    wait_until_served,
+)
 
 SCRIPTED_MODEL = "scripted-model"
 
@@ -106,7 +113,6 @@ def parser_workers(redis_url: str, tiny_model_dir: str):
     workers.stop()
 
 
-VLLM_SLOTS = 4  # small, so that tests can fill the worker and queue a request behind it
 
 
 class VLLMStack:
@@ -122,15 +128,52 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
-def vllm_stack(redis_url: str, tiny_model_dir: str):
-    """One gateway and one vLLM worker on the tiny model (starting it takes ~30 s)."""
-    engine_options = ["--max-model-len", "2048", "--enforce-eager", "--dtype", "float32"]
-    worker = start_worker(redis_url, tiny_model_dir, *engine_options, "--max-concurrency", str(VLLM_SLOTS),
-                          engine="vllm", served_name="tiny", env={"VLLM_CPU_KVCACHE_SPACE": "1"}, timeout=240)
-    # A vLLM worker that replaces a dead one takes ~30 s to start, far more on a loaded machine:
-    # leave its queued requests time to wait for it.
-    gateway = start_gateway(redis_url, "--queue-timeout", "300")
-    wait_until_served(gateway, "tiny")
-    yield VLLMStack(gateway, worker, "tiny", tiny_model_dir)
-    gateway.stop()
-    assert worker.stop(timeout=60) == 0, worker.log()[-3000:]
+def vllm_stack(parser_workers: ParserWorkers, tiny_model_dir: str):
+    """A gateway and a vLLM worker on the tiny model: the parser workers' tool profile (started
+    with the session, shared by every test that needs no engine of its own)."""
+    model = parser_workers.serve("tools")
+    return VLLMStack(parser_workers.gateway, parser_workers.workers["tools"], model, tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def vllm_serves(tiny_model_dir: str):
+    """`vllm serve` for each parser profile, for the parity battery (started, not yet waited for)."""
+    serves = VllmServes(tiny_model_dir)
+    yield serves
+    serves.stop()
+
+
+MORTAL_MODEL = "tiny-mortal"  # served by the workers tests/faults/test_vllm_worker_deaths.py kills
+
+
+def mortal_vllm_worker(redis_url: str, model_dir: str, *args: str) -> Proc:
+    """A vLLM worker of MORTAL_MODEL, started (not waited for)."""
+    return start_worker(redis_url, model_dir, "--max-model-len", "2048", "--enforce-eager", "--dtype", "float32",
+                        *args, engine="vllm", served_name=MORTAL_MODEL, env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+                        wait=False)
+
+
+@pytest.fixture(scope="session")
+def mortal_worker(redis_url: str, tiny_model_dir: str):
+    """The first worker the death tests kill, started with the session's other engines."""
+    worker = mortal_vllm_worker(redis_url, tiny_model_dir)
+    yield worker
+    worker.stop(timeout=60)  # killed by its test, unless that did not run
+
+
+# The session fixtures that start vLLM engines, and which one starts each without waiting for it.
+ENGINES = {"vllm_stack": "parser_workers", "parser_workers": "parser_workers", "vllm_serves": "vllm_serves",
+           "mortal_worker": "mortal_worker"}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _engines_started_together(request: pytest.FixtureRequest):
+    """A session that will need vLLM engines starts them all at its beginning, side by side,
+    each fixture then waiting only for its own (one engine takes ~30 s of start-up, mostly three
+    processes importing torch and vLLM one after another: several overlap)."""
+    needed = {name for item in request.session.items for name in getattr(item, "fixturenames", ())}
+    for user, starter in ENGINES.items():
+        if user in needed:
+            engines = request.getfixturevalue(starter)
+            if isinstance(engines, ParserWorkers):
+                engines.spawn_all()

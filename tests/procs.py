@@ -218,7 +218,9 @@ def start_gateway(redis_url: str, *args: str, env: dict[str, str] | None = None)
 
 
 def start_worker(redis_url: str, model: str, *args: str, engine: str = "scripted", served_name: str | None = None,
-                 env: dict[str, str] | None = None, timeout: float = 30) -> Proc:
+                 env: dict[str, str] | None = None, timeout: float = 30, wait: bool = True) -> Proc:
+    """A worker process; with `wait`, once it has registered (else `wait_registered` later: a vLLM
+    worker takes ~30 s, which several can spend side by side)."""
     metrics_port = free_port()
     name = served_name or model
     proc = spawn(f"worker-{engine}", [
@@ -226,8 +228,15 @@ def start_worker(redis_url: str, model: str, *args: str, engine: str = "scripted
         "--served-model-name", name, "--redis-url", redis_url, "--metrics-port", str(metrics_port), *args,
     ], env)
     proc.url = f"http://127.0.0.1:{metrics_port}"
-    proc.extra["model"] = name
-    client = redis_pool.connect_sync(redis_url)
+    proc.extra.update(model=name, redis_url=redis_url)
+    if wait:
+        wait_registered(proc, timeout)
+    return proc
+
+
+def wait_registered(proc: Proc, timeout: float) -> Proc:
+    """Wait until the worker's heartbeat is in its Redis; fail at once if it exits."""
+    client = redis_pool.connect_sync(proc.extra["redis_url"])
 
     def registered():
         if not proc.alive():

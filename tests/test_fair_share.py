@@ -103,7 +103,9 @@ def model_keys_left(redis_client, model: str) -> list[str]:
 async def light_position(redis_url: str, redis_client, model: str, fair_share: bool) -> int:
     """Where a light tenant's one request is served among a heavy tenant's 20 queued before it."""
     async with in_process_fleet(redis_url, fair_share=fair_share) as fleet:
-        heavy = [envelope(model, "heavy") for _ in range(20)]
+        # The first runs for a second, so that the rest are all queued behind it however slowly
+        # they are sent (a busy machine once took longer than a short first request's 50 ms).
+        heavy = [envelope(model, "heavy", max_tokens=100)] + [envelope(model, "heavy") for _ in range(19)]
         runs = await submit_all(fleet, heavy[:1])
         await wait_running(redis_client, heavy[0])
         light = envelope(model, "light")

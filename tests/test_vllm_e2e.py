@@ -17,7 +17,8 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tests.conftest import VLLM_SLOTS, leftover_keys
+from tests.conftest import leftover_keys
+from tests.parity.harness import VLLM_SLOTS
 from tests.procs import metric_value, wait_for
 
 pytestmark = pytest.mark.vllm

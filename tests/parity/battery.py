@@ -13,7 +13,8 @@ from typing import Any
 
 TOOLS_MODEL = "tiny-tools"
 THINK_MODEL = "tiny-think"
-MAX_MODEL_LEN = 1024
+MAX_MODEL_LEN = 2048
+TOO_LONG = "word " * (MAX_MODEL_LEN + 200)  # a prompt longer than the context
 
 
 @dataclass(frozen=True)
@@ -201,9 +202,9 @@ def build() -> list[Case]:
     b.add("errors", "missing messages", C, {"model": TOOLS_MODEL}, **bad)
     b.add("errors", "messages as a string", C, chat(messages="hello"), **bad)
     b.add("errors", "unknown role", C, chat(messages=[{"role": "wizard", "content": "hi"}]), **bad)
-    b.add("errors", "max_tokens beyond the context", C, chat(max_tokens=5000), **bad)
+    b.add("errors", "max_tokens beyond the context", C, chat(max_tokens=MAX_MODEL_LEN + 3000), **bad)
     b.add("errors", "max_completion_tokens beyond the context", C,
-          chat(max_tokens=None, max_completion_tokens=1025), **bad)
+          chat(max_tokens=None, max_completion_tokens=MAX_MODEL_LEN + 1), **bad)
     b.add("errors", "max_tokens 0", C, chat(max_tokens=0), **bad)
     b.add("errors", "top_logprobs without logprobs", C, chat(top_logprobs=2), **bad)
     b.add("errors", "top_logprobs 50", C, chat(logprobs=True, top_logprobs=50), **bad)
@@ -221,9 +222,9 @@ def build() -> list[Case]:
     b.add("errors", "two structured constraints", C,
           chat(structured_outputs={"choice": ["a"], "regex": "a+"}), **bad)
     b.add("errors", "prompt longer than the context", C,
-          chat(messages=[{"role": "user", "content": "word " * 1200}]), **bad)
+          chat(messages=[{"role": "user", "content": TOO_LONG}]), **bad)
     b.add("errors", "prompt longer than the context (stream)", C,
-          chat(messages=[{"role": "user", "content": "word " * 1200}], stream=True), **bad)
+          chat(messages=[{"role": "user", "content": TOO_LONG}], stream=True), **bad)
     b.add("errors", "logit_bias token outside the vocabulary", C, chat(logit_bias={"99999": 5}), **bad)
     b.add("errors", "logit_bias token outside the vocabulary (stream)", C,
           chat(logit_bias={"99999": 5}, stream=True), **bad)

@@ -20,7 +20,7 @@ from typing import Any
 import anthropic
 import httpx
 
-from tests.parity.battery import THINK_MODEL, TOOLS_MODEL, Battery, Case
+from tests.parity.battery import THINK_MODEL, TOO_LONG, TOOLS_MODEL, Battery, Case
 from tests.parity.compare import Answer
 
 MESSAGES = "/v1/messages"
@@ -135,9 +135,9 @@ def build() -> list[Case]:
     b.add("anthropic errors", "messages as a string", M, message(messages="hello"), **bad)
     b.add("anthropic errors", "broken JSON", M, b'{"model": "tiny-tools", "messages": [', **bad)
     b.add("anthropic errors", "prompt longer than the context", M,
-          message(messages=[{"role": "user", "content": "word " * 1200}]), **bad)
+          message(messages=[{"role": "user", "content": TOO_LONG}]), **bad)
     b.add("anthropic errors", "prompt longer than the context (stream)", M,
-          message(messages=[{"role": "user", "content": "word " * 1200}], stream=True), **bad)
+          message(messages=[{"role": "user", "content": TOO_LONG}], stream=True), **bad)
     b.add("anthropic errors", "count_tokens unknown model", COUNT, {"model": "no-such-model", "messages": HELLO},
           **bad)
     b.add("anthropic errors", "count_tokens without messages", COUNT, {"model": TOOLS_MODEL}, **bad)

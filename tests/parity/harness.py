@@ -33,6 +33,7 @@ from tests.procs import (
     start_gateway,
     start_redis,
     start_worker,
+    wait_registered,
     wait_until_answers,
     wait_until_served,
 )
@@ -46,28 +47,45 @@ PROFILES = {
     "think": (THINK_MODEL, ["--reasoning-parser", "deepseek_r1", "--enable-prompt-tokens-details"]),
 }
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+# llmfleet's workers only: few slots, so that tests can fill a worker and queue a request behind it.
+VLLM_SLOTS = 4
 
 
 class ParserWorkers:
-    """A vLLM worker per parser profile, each started when first asked for; two gateways in front."""
+    """A vLLM worker per parser profile, each started when first asked for (or all at once by
+    `spawn_all`); two gateways in front."""
 
     def __init__(self, redis_url: str, model_dir: str):
         self.redis_url, self.model_dir = redis_url, model_dir
         self.gateways = [start_gateway(redis_url, "--queue-timeout", "300") for _ in range(2)]
         self.workers: dict[str, Proc] = {}
+        self._ready: set[str] = set()
 
     @property
     def gateway(self) -> Proc:
         return self.gateways[0]
 
-    def serve(self, profile: str) -> str:
-        """The served name of the profile's worker, started if it is not yet."""
-        name, options = PROFILES[profile]
+    def spawn_all(self) -> None:
+        """Start every profile's worker without waiting for any: they start side by side."""
+        for profile in PROFILES:
+            self._spawn(profile)
+
+    def _spawn(self, profile: str) -> None:
         if profile not in self.workers:
+            name, options = PROFILES[profile]
             self.workers[profile] = start_worker(self.redis_url, self.model_dir, *ENGINE_OPTIONS, *options,
-                                                 engine="vllm", served_name=name, env=ENGINE_ENV, timeout=300)
+                                                 "--max-concurrency", str(VLLM_SLOTS), engine="vllm",
+                                                 served_name=name, env=ENGINE_ENV, wait=False)
+
+    def serve(self, profile: str) -> str:
+        """The served name of the profile's worker, once it serves (started if it is not yet)."""
+        name, _ = PROFILES[profile]
+        if profile not in self._ready:
+            self._spawn(profile)
+            wait_registered(self.workers[profile], 300)
             for gateway in self.gateways:
                 wait_until_served(gateway, name, timeout=60)
+            self._ready.add(profile)
         return name
 
     def stop(self) -> None:
@@ -75,6 +93,23 @@ class ParserWorkers:
             gateway.stop()
         for worker in self.workers.values():
             assert worker.stop(timeout=60) == 0, worker.log()[-3000:]
+
+
+class VllmServes:
+    """`vllm serve` for every profile, started side by side; `urls()` once all answer."""
+
+    def __init__(self, model_dir: str):
+        self.procs = {profile: _start_vllm_serve(model_dir, name, options)
+                      for profile, (name, options) in PROFILES.items()}
+
+    def urls(self) -> dict[str, str]:
+        for proc in self.procs.values():
+            wait_until_answers(proc, "/health", 300)
+        return {profile: proc.url for profile, proc in self.procs.items()}
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            proc.stop(timeout=60)
 
 
 @dataclass
@@ -94,29 +129,27 @@ def _start_vllm_serve(model_dir: str, name: str, options: list[str]) -> Proc:
 
 
 @contextlib.contextmanager
-def running_servers(model_dir: str, workers: ParserWorkers | None = None) -> Iterator[Servers]:
-    """`vllm serve` for every profile beside llmfleet's `workers` (made here on a Redis of their own
-    when not given). Everything started here is stopped here, by PID."""
-    procs: list[Proc] = []
-    owned = workers is None
+def running_servers(model_dir: str, workers: ParserWorkers | None = None,
+                    serves: VllmServes | None = None) -> Iterator[Servers]:
+    """`vllm serve` for every profile beside llmfleet's `workers`; what is not given is made here
+    (the workers on a Redis of their own) and stopped here, by PID."""
+    owned: list = []
     try:
-        serves = {profile: _start_vllm_serve(model_dir, name, options)
-                  for profile, (name, options) in PROFILES.items()}
-        procs += serves.values()
-        if owned:
+        if serves is None:
+            serves = VllmServes(model_dir)
+            owned.append(serves)
+        if workers is None:
             redis = start_redis()
-            procs.append(redis)
+            owned.append(redis)
             workers = ParserWorkers(redis.url, model_dir)
+            owned.append(workers)
+            workers.spawn_all()
         for profile in PROFILES:  # while the `vllm serve`s start
             workers.serve(profile)
-        for proc in serves.values():
-            wait_until_answers(proc, "/health", 300)
-        yield Servers({profile: proc.url for profile, proc in serves.items()}, workers.gateway.url)
+        yield Servers(serves.urls(), workers.gateway.url)
     finally:
-        if owned and workers is not None:
-            workers.stop()
-        for proc in reversed(procs):
-            proc.stop(timeout=60)
+        for thing in reversed(owned):
+            thing.stop()
 
 
 def send(client: httpx.Client, base_url: str, case: Case) -> Answer:

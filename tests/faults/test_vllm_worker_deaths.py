@@ -1,0 +1,132 @@
+"""vLLM workers that die: SIGKILLed mid-generation, or their engine core dying under them. Never a hang.
+
+- A worker SIGKILLed mid-generation: its non-streaming request is rerun by the next vLLM worker of
+  the model with the same answer; its stream ends with a 502 error event.
+- A worker whose engine core dies under a running request: the request fails, the worker exits
+  non-zero and leaves the registry.
+
+A vLLM worker takes ~30 s to start: the first test's victim starts with the session's other
+engines (tests/conftest.py `mortal_worker`), and its rescuer is the second test's victim.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import MORTAL_MODEL, mortal_vllm_worker
+from tests.procs import metric_value, start_gateway, wait_for, wait_registered, wait_until_served
+
+pytestmark = pytest.mark.vllm
+
+MESSAGES = [{"role": "user", "content": "Write about lighthouses."}]
+
+
+def _children(pid: int) -> list[tuple[int, str]]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                child = int(stat.parent.name)
+                found.append((child, (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def _kill_with_engine(worker) -> None:
+    children = [pid for pid, _cmd in _children(worker.pid)]
+    worker.kill()
+    for pid in children:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def spares():
+    """Workers of MORTAL_MODEL one test leaves running for the next to kill."""
+    left: list = []
+    yield left
+    for worker in left:
+        _kill_with_engine(worker)
+
+
+def test_vllm_worker_killed_mid_generation(vllm_stack, redis_url, tiny_model_dir, mortal_worker, spares):
+    request = {"messages": MESSAGES, "max_tokens": 1500, "temperature": 0}
+    expected = httpx.post(f"{vllm_stack.gateway.url}/v1/chat/completions", timeout=120,
+                          json={**request, "model": vllm_stack.model}).json()["choices"][0]["message"]["content"]
+    doomed = wait_registered(mortal_worker, 300)
+    try:
+        url = f"{vllm_stack.gateway.url}/v1/chat/completions"
+        wait_until_served(vllm_stack.gateway, MORTAL_MODEL)
+        result: dict = {}
+
+        def whole_answer() -> None:  # waits through the death and the rescuer's start (~30 s, more when busy)
+            try:
+                result["response"] = httpx.post(url, json={**request, "model": MORTAL_MODEL}, timeout=400)
+            except httpx.HTTPError as exc:
+                result["response"] = exc
+
+        rerun = threading.Thread(target=whole_answer)
+        rerun.start()
+        with httpx.stream("POST", url, json={**request, "model": MORTAL_MODEL, "stream": True}, timeout=60) as stream:
+            lines = stream.iter_lines()
+            next(lines)
+            wait_for(lambda: metric_value(doomed.url, "llmfleet_worker_in_flight") == 2, 20,
+                     "the doomed worker to run both requests")
+            _kill_with_engine(doomed)
+            killed_at = time.monotonic()
+            rest = [line for line in lines if line.startswith("data: ")]
+            surfaced = time.monotonic() - killed_at
+        print(f"vLLM worker death surfaced to the streaming client after {surfaced:.2f}s")
+        assert json.loads(rest[-2][6:])["error"]["code"] == 502 and rest[-1] == "data: [DONE]"
+        assert surfaced < 6.0
+        rescuer = mortal_vllm_worker(redis_url, tiny_model_dir, "--claim-idle", "1")
+        spares.append(rescuer)
+        wait_registered(rescuer, 300)
+        rerun.join(400)
+        answer = result["response"]
+        assert isinstance(answer, httpx.Response) and answer.status_code == 200, answer
+        assert answer.json()["choices"][0]["message"]["content"] == expected  # the same greedy answer
+        assert metric_value(rescuer.url, "llmfleet_worker_reclaimed_total") == 2  # both; the stream got a 502
+    finally:
+        _kill_with_engine(doomed)
+
+
+def test_engine_death_fails_requests_and_exits_non_zero(redis_url, tiny_model_dir, redis_client, spares):
+    worker = spares.pop() if spares else mortal_vllm_worker(redis_url, tiny_model_dir)
+    wait_registered(worker, 300)
+    gateway = start_gateway(redis_url)
+    try:
+        wait_until_served(gateway, MORTAL_MODEL)
+        body = {"model": MORTAL_MODEL, "messages": [{"role": "user", "content": "go"}], "max_tokens": 1900,
+                "stream": True}
+        with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            for _ in range(4):
+                next(lines)
+            engines = [pid for pid, cmd in _children(worker.pid) if "resource_tracker" not in cmd]
+            assert engines, f"no engine process under the worker: {_children(worker.pid)}"
+            for pid in engines:
+                os.kill(pid, signal.SIGKILL)
+            killed_at = time.monotonic()
+            rest = [line for line in lines if line.startswith("data: ")]
+        error = json.loads(rest[-2][6:])["error"]
+        assert error["code"] in (500, 502) and rest[-1] == "data: [DONE]"
+        print(f"engine death surfaced to the client after {time.monotonic() - killed_at:.2f}s")
+        assert worker.popen.wait(60) != 0
+        assert not list(redis_client.scan_iter(match=f"llmfleet:worker:*-{worker.pid}-*"))
+        wait_for(lambda: MORTAL_MODEL not in {m["id"] for m in httpx.get(f"{gateway.url}/v1/models").json()["data"]},
+                 10, "the dead worker to leave the registry")
+    finally:
+        gateway.stop()
+        worker.kill()
