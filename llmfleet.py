@@ -144,6 +144,7 @@ def worker(redis_url: str, **values) -> None:
     from worker.main import build_adapter, serve
 
     settings = settings_from(WorkerSettings, redis_url, values)
+    check_redis(redis_url)  # before the engine loads: a wrong URL should not cost a model's start
     adapter = build_adapter(settings)
     if unknown := set(settings.kinds) - set(adapter.kinds):
         raise click.BadParameter(f"the {settings.engine} engine cannot answer {', '.join(sorted(unknown))} requests; "
@@ -155,7 +156,9 @@ def worker(redis_url: str, **values) -> None:
 @main.command("tiny-model")
 @click.argument("directory", type=click.Path(file_okay=False))
 def tiny_model(directory: str) -> None:
-    """Write the tiny random-weight Llama (deterministic) to DIRECTORY."""
+    """Write the tiny random-weight Llama to DIRECTORY.
+
+    The same bytes every time: a test model that runs on a laptop CPU (its text is gibberish)."""
     from worker.tiny_model import write_tiny_model
 
     click.echo(write_tiny_model(directory))
@@ -163,12 +166,33 @@ def tiny_model(directory: str) -> None:
 
 @main.group("keys")
 def keys_group() -> None:
-    """Managed API keys, for gateways started with --require-keys (gateway/fleet/api_keys.py)."""
+    """Make, list and revoke API keys (for --require-keys gateways)."""
+
+
+def check_redis(redis_url: str) -> None:
+    """Raise a one-line error when no Redis answers at `redis_url`."""
+    import redis
+
+    from shared import redis_pool
+
+    try:
+        redis_pool.connect_sync(redis_url).ping()
+    except (redis.RedisError, OSError) as exc:
+        raise unreachable(redis_url, exc) from None
+
+
+def unreachable(redis_url: str, exc: Exception) -> click.ClickException:
+    from shared.redis_pool import redacted
+
+    return click.ClickException(f"cannot reach Redis at {redacted(redis_url)} ({exc}): start it, or point "
+                                "--redis-url (LLMFLEET_REDIS_URL) at the one your gateways use")
 
 
 def _with_key_store(redis_url: str, action):
     """Run `action(KeyStore)` on a short-lived Redis client; return its result."""
     import asyncio
+
+    import redis
 
     from gateway.fleet.api_keys import KeyStore
     from shared import redis_pool
@@ -180,7 +204,10 @@ def _with_key_store(redis_url: str, action):
         finally:
             await client.aclose()
 
-    return asyncio.run(run())
+    try:
+        return asyncio.run(run())
+    except (redis.RedisError, OSError) as exc:
+        raise unreachable(redis_url, exc) from None
 
 
 def _table(rows: list[dict], columns: list[str]) -> None:
@@ -237,7 +264,7 @@ def list_keys(redis_url: str) -> None:
 @click.argument("name")
 @redis_options
 def revoke_key(name: str, redis_url: str) -> None:
-    """Revoke a key: every gateway refuses it within 2 seconds."""
+    """Revoke a key: every gateway refuses it within a second (a lookup is cached 1 s)."""
     if not _with_key_store(redis_url, lambda store: store.revoke(name)):
         raise click.ClickException(f"no key named {name!r}")
     click.echo(f"revoked {name}")
@@ -253,32 +280,76 @@ def key_usage(name: str | None, redis_url: str) -> None:
 
 
 @main.command()
-@option("port", default=8000, type=int)
-@option("redis-url", default=DEFAULT_REDIS_URL)
+@option("port", default=8000, type=int, help="The gateway's port.")
+@option("redis-url", default=DEFAULT_REDIS_URL, help="A Redis to use if one answers there; otherwise a "
+        "redis-server is started on its port.")
 @option("model", default=None, help="Model to serve (default: the tiny model, made on first use).")
-def up(port: int, redis_url: str, model: str | None) -> None:
-    """Run the whole stack here: Redis (if none answers), one gateway, one vLLM worker."""
+@option("engine", default="vllm", type=click.Choice(["vllm", "scripted"]),
+        help="scripted: no model, a worker that repeats the prompt's words (try the API without vLLM).")
+@option("metrics-port", default=9100, type=int, help="The worker's Prometheus metrics (queue wait, prefill, "
+        "decode, cancel latency, vLLM's vllm:* series); 0: off. The gateway's are on its own port, at /metrics.")
+@option("api-key", default=None, help="A key every API request must present, as `vllm serve --api-key`.")
+@option("require-keys", is_flag=True, default=False, help="Every API request needs a managed key "
+        "(`llmfleet keys create`).")
+def up(port: int, redis_url: str, model: str | None, engine: str, metrics_port: int, api_key: str | None,
+       require_keys: bool) -> None:
+    """Run Redis (if none answers), a gateway and a worker here."""
+    for taken, what in ((port, "--port"), (metrics_port, "--metrics-port")):
+        if taken and (holder := port_holder(taken)):
+            raise click.ClickException(f"port {taken} is in use by {holder}: stop it (a `make up` already "
+                                       f"running?) or choose another with `llmfleet up {what} N`")
     stack = Stack()
-    # SIGTERM (docker stop, a supervisor) and SIGHUP (the terminal closed) stop the children too, as
-    # Ctrl-C does: the worker runs in a session of its own, which the terminal does not signal.
+    # SIGTERM (docker stop, a supervisor) and SIGHUP (the terminal closed) stop the stack as Ctrl-C does.
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda *_: sys.exit(0))
     try:
         if not _redis_answers(redis_url):
             redis_url = stack.start_redis(redis_url)
-        model = model or str(ensure_tiny_model())
-        stack.spawn("gateway", "--port", str(port), "--redis-url", redis_url)
-        stack.spawn("worker", "--model", model, "--served-model-name", "tiny" if "tiny" in model else model,
-                    "--redis-url", redis_url, "--max-model-len", "2048", "--enforce-eager", "--dtype", "float32",
-                    env={"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}, lowest_priority=True)
+        name = "tiny" if engine == "scripted" or model is None or "tiny" in model else model
+        gateway_args = ["--port", str(port), "--redis-url", redis_url]
+        gateway_args += ["--require-keys"] if require_keys else []
+        stack.spawn("gateway", *gateway_args, env={"LLMFLEET_API_KEY": api_key} if api_key else None)
+        worker_args = ["--served-model-name", name, "--redis-url", redis_url, "--metrics-port", str(metrics_port)]
+        if engine == "scripted":
+            stack.spawn("worker", "--engine", "scripted", "--model", name, *worker_args)
+        else:
+            stack.spawn("worker", "--model", model or str(ensure_tiny_model()), *worker_args, "--max-model-len", "2048",
+                        "--enforce-eager", "--dtype", "float32",
+                        env={"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")},
+                        lowest_priority=True)
         base_url = f"http://127.0.0.1:{port}"
-        served = stack.wait_until_served(base_url)
-        click.echo(_welcome(base_url, served))
+        served = stack.wait_until_served(port, redis_url)
+        click.echo(_welcome(base_url, served, metrics_port, api_key=api_key, require_keys=require_keys))
         stack.wait()
     except KeyboardInterrupt:
         pass
     finally:
         stack.stop()
+
+
+def port_holder(port: int) -> str | None:
+    """Who listens on TCP `port` here (`pid 42 (python -m llmfleet gateway)`), or None when it is free."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no holder
+        try:
+            probe.bind(("0.0.0.0", port))
+            return None
+        except OSError:
+            pass
+    try:
+        import psutil  # vLLM's dependency: there where `up` runs an engine
+    except ImportError:
+        return "another process"
+    try:
+        for conn in psutil.net_connections("tcp"):
+            if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
+                holder = psutil.Process(conn.pid)
+                return f"pid {conn.pid} ({' '.join(holder.cmdline())[:100] or holder.name()})"
+    except psutil.Error:
+        pass
+    return "another process"
 
 
 def ensure_tiny_model() -> Path:
@@ -360,15 +431,24 @@ def _set_autogroup_nice(pid: int, nice: int) -> str:
 
 
 class Stack:
-    """Child processes of `llmfleet up`, stopped together (SIGTERM, then SIGKILL)."""
+    """Child processes of `llmfleet up`, each in a session of its own, so that the terminal's Ctrl-C
+    reaches `up` alone, which stops them in order: the gateway first (it lets open requests finish,
+    up to its --drain-grace), then the worker (it finishes what it runs), Redis last."""
+
+    STOP_ORDER = ("gateway", "worker", "redis")
+    STOP_WAIT_S = {"gateway": 45.0, "worker": 60.0, "redis": 10.0}  # then SIGKILL
 
     def __init__(self):
         self.children: list[tuple[str, subprocess.Popen]] = []
+        self.log = logging.getLogger("llmfleet")
 
     def start_redis(self, url: str) -> str:
         port = urlparse(url).port or 6379
+        if holder := port_holder(port):
+            raise click.ClickException(f"no Redis answers at {url}, and port {port} is in use by {holder}: "
+                                       "point --redis-url (LLMFLEET_REDIS_URL) at a Redis, or free the port")
         proc = subprocess.Popen([find_redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                 "--appendonly", "no"], stdout=subprocess.DEVNULL)
+                                 "--appendonly", "no"], stdout=subprocess.DEVNULL, start_new_session=True)
         self.children.append(("redis", proc))
         url = f"redis://127.0.0.1:{port}/0"
         deadline = time.monotonic() + 10
@@ -380,30 +460,28 @@ class Stack:
 
     def spawn(self, command: str, *args: str, env: dict[str, str] | None = None,
               lowest_priority: bool = False) -> subprocess.Popen:
-        """Start `llmfleet COMMAND ARGS`; with `lowest_priority`, in a session of its own at the
-        lowest CPU priority (`lower_priority`), so that it cannot starve the gateway."""
+        """Start `llmfleet COMMAND ARGS`; with `lowest_priority`, at the lowest CPU priority
+        (`lower_priority`), so that it cannot starve the gateway."""
         proc = subprocess.Popen([sys.executable, "-m", "llmfleet", command, *args], env={**os.environ, **(env or {})},
-                                start_new_session=lowest_priority)
+                                start_new_session=True)
         self.children.append((command, proc))
         if lowest_priority:
-            logging.getLogger("llmfleet").info("%s (pid %d) runs at the lowest CPU priority: %s", command, proc.pid,
-                                               lower_priority(proc.pid))
+            self.log.info("%s (pid %d) runs at the lowest CPU priority: %s", command, proc.pid, lower_priority(proc.pid))
         return proc
 
-    def wait_until_served(self, base_url: str, timeout: float = 300) -> list[str]:
-        import httpx
+    def wait_until_served(self, port: int, redis_url: str, timeout: float = 600) -> list[str]:
+        """The models served, once the gateway listens and a worker's heartbeat is in Redis. Asks
+        nothing of the gateway over HTTP: a readiness poll would fill its log and its request counts."""
+        from gateway.fleet.registry import REFRESH_S
 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self._check_alive()
-            try:
-                models = httpx.get(f"{base_url}/v1/models", timeout=2).json()["data"]
-                if models:
-                    return [m["id"] for m in models]
-            except (httpx.HTTPError, KeyError, ValueError):
-                pass
+            if _listens(port) and (models := served_models(redis_url)):
+                time.sleep(2 * REFRESH_S)  # the gateway's registry reads the heartbeats this often
+                return models
             time.sleep(0.5)
-        raise click.ClickException("the stack did not become ready in time")
+        raise click.ClickException(f"the stack did not become ready in {timeout:.0f} s")
 
     def _check_alive(self) -> None:
         for name, proc in self.children:
@@ -416,33 +494,83 @@ class Stack:
             time.sleep(0.5)
 
     def stop(self) -> None:
-        for _name, proc in reversed(self.children):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for _name, proc in reversed(self.children):
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        """Stop the children in STOP_ORDER, each after the one before has exited. A second Ctrl-C
+        kills what is left at once."""
+        order = sorted(self.children, key=lambda child: self.STOP_ORDER.index(child[0]))
+        try:
+            for name, proc in order:
+                if proc.poll() is None:
+                    self.log.info("stopping the %s (pid %d)%s", name, proc.pid,
+                                  ": open requests may finish" if name == "gateway" else "")
+                    proc.send_signal(signal.SIGTERM)
+                    try:
+                        proc.wait(timeout=self.STOP_WAIT_S[name])
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+        except KeyboardInterrupt:
+            for _name, proc in order:
+                if proc.poll() is None:
+                    proc.kill()
+        for _name, proc in order:
+            proc.wait()
 
 
-def _welcome(base_url: str, models: list[str]) -> str:
-    model = models[0]
+def _listens(port: int) -> bool:
+    import socket
+
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+def served_models(redis_url: str) -> list[str]:
+    """The models whose workers' heartbeats are in Redis now."""
+    import redis
+
+    from shared import keys, redis_pool
+    from shared.codec import decode
+    from shared.envelopes import WorkerInfo
+
+    try:
+        client = redis_pool.connect_sync(redis_url)
+        names = list(client.scan_iter(match=keys.WORKER_KEY_PATTERN, count=500))
+        return sorted({decode(WorkerInfo, value).model for value in (client.mget(names) if names else []) if value})
+    except (redis.RedisError, OSError):
+        return []
+
+
+def _welcome(base_url: str, models: list[str], metrics_port: int, *, api_key: str | None = None,
+             require_keys: bool = False) -> str:
+    """The banner: where the stack serves, and examples that run as pasted in a new terminal."""
+    model, bin_dir = models[0], Path(sys.executable).parent
+    key = "YOUR_KEY" if require_keys else api_key or "unused"
+    auth = f" -H 'Authorization: Bearer {key}'" if require_keys or api_key else ""
+    metrics = f"{base_url}/metrics (gateway)" + (f", http://127.0.0.1:{metrics_port}/metrics (worker, vllm:* included)"
+                                                  if metrics_port else "")
+    keys_line = (f"\n  Keys are required: make one with `{bin_dir}/llmfleet keys create --name me` and use its secret "
+                 "for YOUR_KEY.\n") if require_keys else ""
     return f"""
-llmfleet is serving {', '.join(models)} at {base_url}/v1   (Ctrl-C stops everything)
+llmfleet is serving {', '.join(models)} at {base_url}/v1   (Ctrl-C stops it: open requests finish first)
+  metrics: {metrics}
+{keys_line}
+In a new terminal:
 
-  curl {base_url}/v1/chat/completions -H 'Content-Type: application/json' \\
-    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], "stream": true}}'
+  curl {base_url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\
+    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32, "stream": true}}'
 
-  python -c '
+  {bin_dir}/python -c '
 from openai import OpenAI
-client = OpenAI(base_url="{base_url}/v1", api_key="unused")
-for chunk in client.chat.completions.create(model="{model}", stream=True,
+client = OpenAI(base_url="{base_url}/v1", api_key="{key}")
+for chunk in client.chat.completions.create(model="{model}", max_tokens=32, stream=True,
         messages=[{{"role": "user", "content": "Hello!"}}]):
     print(chunk.choices[0].delta.content or "", end="", flush=True) if chunk.choices else None
 print()'
+
+  source {bin_dir}/activate   # then `python`, `llmfleet keys ...` and README's examples run as written
 """
 
 
 if __name__ == "__main__":
-    main()
+    main(prog_name="llmfleet")

@@ -74,7 +74,7 @@ def parse_url(url: str) -> RedisTarget:
         parse_server_url(url)  # redis-py's own reading, for its errors
         return RedisTarget("server", url)
     if scheme not in _DEFAULT_PORT:
-        raise ValueError(f"unsupported Redis URL scheme {scheme!r} in {_redacted(url)}: use one of "
+        raise ValueError(f"unsupported Redis URL scheme {scheme!r} in {redacted(url)}: use one of "
                          f"{', '.join(s + '://' for s in (*SERVER_SCHEMES, SENTINEL_SCHEME, CLUSTER_SCHEME))}")
     parts = urlsplit(url)
     userinfo, _, hosts = parts.netloc.rpartition("@")
@@ -82,15 +82,15 @@ def parse_url(url: str) -> RedisTarget:
     nodes = tuple(_host_port(node, _DEFAULT_PORT[scheme], url) for node in hosts.split(","))
     options = {name: values[-1] for name, values in parse_qs(parts.query).items()}
     if unknown := set(options) - _OPTIONS[scheme]:
-        raise ValueError(f"unknown option(s) {', '.join(sorted(unknown))} in {_redacted(url)}")
+        raise ValueError(f"unknown option(s) {', '.join(sorted(unknown))} in {redacted(url)}")
     path = [unquote(p) for p in parts.path.split("/") if p]
     common = {"nodes": nodes, "username": unquote(username) or None, "password": unquote(password) or None}
     if scheme == CLUSTER_SCHEME:
         if path:
-            raise ValueError(f"a Redis Cluster has only database 0: drop the path of {_redacted(url)}")
+            raise ValueError(f"a Redis Cluster has only database 0: drop the path of {redacted(url)}")
         return RedisTarget("cluster", url, **common)
     if not path or len(path) > 2 or (len(path) == 2 and not path[1].isdigit()):
-        raise ValueError(f"a Sentinel URL ends in /service_name or /service_name/db: {_redacted(url)}")
+        raise ValueError(f"a Sentinel URL ends in /service_name or /service_name/db: {redacted(url)}")
     return RedisTarget("sentinel", url, service_name=path[0], db=int(path[1]) if len(path) == 2 else 0,
                        sentinel_password=options.get("sentinel_password"), **common)
 
@@ -101,11 +101,11 @@ def _host_port(node: str, default_port: int, url: str) -> tuple[str, int]:
         host, port = node, str(default_port)
     host = host.removeprefix("[").removesuffix("]")
     if not host or not port.isdigit():
-        raise ValueError(f"expected host:port, got {node!r} in {_redacted(url)}")
+        raise ValueError(f"expected host:port, got {node!r} in {redacted(url)}")
     return host, int(port)
 
 
-def _redacted(url: str) -> str:
+def redacted(url: str) -> str:
     """The URL without its password, for error messages."""
     head, at, tail = url.rpartition("@")
     if not at:
@@ -120,7 +120,7 @@ def with_ca_file(url: str, ca_file: str | None) -> str:
         return url
     parts = urlsplit(url)
     if parts.scheme != "rediss":
-        raise ValueError(f"a Redis CA file needs a rediss:// URL (TLS), not {_redacted(url)}")
+        raise ValueError(f"a Redis CA file needs a rediss:// URL (TLS), not {redacted(url)}")
     if "ssl_ca_certs" in parse_qs(parts.query):
         raise ValueError("the Redis URL names a CA file (ssl_ca_certs) already")
     option = f"ssl_ca_certs={quote(ca_file, safe='/')}"

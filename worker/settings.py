@@ -64,7 +64,7 @@ class WorkerSettings:
     tokenizer: str | None = setting(None, "Tokenizer path or name (default: the model's).", kind=str, engine=True)
     allowed_media_domains: tuple[str, ...] = setting((), "Comma-separated domains the worker may fetch media "
                                                      "(image_url, audio_url, video_url parts) from; default: none, "
-                                                     "unlike vllm serve (see worker/adapters/media.py).", engine=True)
+                                                     "unlike vllm serve, which fetches from anywhere.", engine=True)
     allowed_local_media_path: str | None = setting(None, "A directory whose files `file:` media URLs may name; "
                                                    "default: none.", kind=str, engine=True)
     # vLLM's request handling, as `vllm serve` takes it.
