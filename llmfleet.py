@@ -231,7 +231,9 @@ def _table(rows: list[dict], columns: list[str]) -> None:
 @redis_options
 def create_key(name: str, rpm: int, tpm: int, max_parallel: int, max_tokens: int, priority: str, models: str,
                expires_in: int, redis_url: str) -> None:
-    """Make a key; its secret is printed once, alone on the last line, and never stored."""
+    """Make a key (its secret is printed once).
+
+    The secret is printed once, alone on the last line, and never stored: Redis holds its digest."""
     from gateway.fleet.api_keys import NAME, ApiKey, KeyExists, digest, new_secret
 
     if not NAME.fullmatch(name):
@@ -264,7 +266,9 @@ def list_keys(redis_url: str) -> None:
 @click.argument("name")
 @redis_options
 def revoke_key(name: str, redis_url: str) -> None:
-    """Revoke a key: every gateway refuses it within a second (a lookup is cached 1 s)."""
+    """Revoke a key: gateways refuse it within a second.
+
+    Each gateway caches a key's lookup for one second, so that is how long a revoked key may still work."""
     if not _with_key_store(redis_url, lambda store: store.revoke(name)):
         raise click.ClickException(f"no key named {name!r}")
     click.echo(f"revoked {name}")

@@ -106,3 +106,54 @@ def test_the_deploy_files_repeat_no_default() -> None:
     repeated = [(file, name, value) for file, name, value in settings
                 if value != "" and name in defaults and _same(value, defaults[name])]
     assert repeated == []
+
+
+def _readme_rows() -> list[tuple[list[str], list[str], str]]:
+    """(options, processes, default cell) of each row of README's Configuration table."""
+    table = README.read_text().split("## Configuration", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in table.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0].startswith("`--"):
+            rows.append((re.findall(r"`(--[a-z-]+)`", cells[0]), [p.strip() for p in cells[1].split(",")], cells[2]))
+    return rows
+
+
+def _readme_default(cell: str, option: click.Option, index: int, of: int) -> object:
+    """What README's default cell says of the `index`th of `of` options of its row, in the option's
+    terms: `...` where it defers (vLLM's, a prose default)."""
+    literals = re.findall(r"`([^`]*)`", cell)
+    if literals:
+        said = literals[index] if len(literals) == of else literals[0]
+        return ... if said.startswith("--") else said  # `--model`: another option's value
+    if cell in ("on", "off"):
+        return cell == "on" if option.is_flag else None if cell == "off" else cell
+    if cell == "none":
+        return "" if option.default == "" else None if option.default is None else "none"
+    return ...
+
+
+def test_readmes_configuration_table_says_what_help_says() -> None:
+    """Each option README's table lists exists on the processes it names, with the default it gives."""
+    commands = {"gateway": llmfleet.main.commands["gateway"], "worker": llmfleet.main.commands["worker"]}
+    rows = _readme_rows()
+    assert len(rows) > 40
+    for options, processes, cell in rows:
+        for process in processes:
+            command_list = [llmfleet.main, *commands.values()] if process == "all" else [commands[process]]
+            for index, name in enumerate(options):
+                found = [p for c in command_list for p in c.params if isinstance(p, click.Option) and name in p.opts]
+                assert found, f"README lists {name} for {process}, which has no such option"
+                said = _readme_default(cell, found[0], index, len(options))
+                if said is ... or found[0].required:
+                    continue
+                default = found[0].default
+                assert _same(str(said), default) if default not in (None, "") else said in (None, ""), \
+                    f"README says {name} defaults to {cell}; --help says {default!r}"
+
+
+def test_help_names_no_source_files_and_cuts_no_command_short() -> None:
+    for args in ([], ["gateway"], ["worker"], ["up"], ["keys"], ["keys", "create"], ["tiny-model"]):
+        text = CliRunner().invoke(llmfleet.main, [*args, "--help"], terminal_width=80).output
+        assert not re.search(r"\b[\w/]+\.py\b", text), (args, re.findall(r"\b[\w/]+\.py\b", text))
+        assert "..." not in text.split("Commands:")[-1] if "Commands:" in text else True, text
