@@ -72,7 +72,8 @@ def fuzzed_gateway(redis_url):
 # Every operation the gateway publishes; the schema test checks that this list is the whole of it.
 OPERATIONS = [
     *(("POST", path) for path in BODY_MODELS),
-    ("GET", "/v1/models"), ("GET", "/health"), ("GET", "/ready"), ("GET", "/metrics"), ("GET", "/version"),
+    ("GET", "/v1/models"), ("GET", "/v1/models/{model}"), ("GET", "/health"), ("GET", "/ready"),
+    ("GET", "/metrics"), ("GET", "/version"),
     ("GET", "/fleet/load"), ("GET", "/load"), ("POST", "/invocations"),
     ("GET", "/v1/responses/{response_id}/input_items"),
     ("GET", "/v1/streams/{response_id}"), ("GET", "/v1/responses/{response_id}"),

@@ -19,7 +19,7 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments
 
 CASES = [
     # (name, path, body (dict, or raw bytes), expected (status, type), expected param or None)
-    ("broken json", "chat", b'{"model": "x", "messages": [', BAD_REQUEST, None),
+    ("broken json", "chat", b'{"model": "x", "messages": [', BAD_PARAM, None),  # said in words, not a repr
     ("body is a list", "chat", b"[1, 2]", BAD_REQUEST, None),
     ("missing messages", "chat", {"model": M}, BAD_REQUEST, "body.messages"),
     ("messages is a string", "chat", {"model": M, "messages": "hi"}, BAD_REQUEST, "body.messages"),

@@ -11,10 +11,11 @@ from starlette.responses import Response
 
 from gateway import tenancy
 from gateway.api.openai.protocol import CancelRequest
+from gateway.fleet.registry import ModelView
 from gateway.http.auth import current_key
 from gateway.http.errors import error_body, json_response
 from shared import keys
-from shared.errors import NotFound
+from shared.errors import ModelNotFound, NotFound
 
 router = APIRouter()
 
@@ -38,17 +39,38 @@ async def cancel(body: CancelRequest, request: Request) -> Response:
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> Response:
+    models = _visible_models(request)
+    data = [_model_card(view) for view in sorted(models.values(), key=lambda v: v.name)]
+    return json_response({"object": "list", "data": data})
+
+
+@router.get("/v1/models/{model:path}")  # ids such as Qwen/Qwen3-0.6B hold a slash
+async def retrieve_model(model: str, request: Request) -> Response:
+    """One model as /v1/models lists it (the OpenAI SDK's `models.retrieve`); a model the caller's key
+    may not use is a 404, as one that does not exist (the same words as a generation request's)."""
+    view = _visible_models(request).get(model)
+    if view is not None:
+        return json_response(_model_card(view))
+    use = current_key()
+    if use is not None and use.key.models:
+        raise ModelNotFound(f"The model `{model}` does not exist or you do not have access to it.", param="model",
+                            code="model_not_found")
+    raise ModelNotFound(f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+
+def _visible_models(request: Request) -> dict[str, ModelView]:
+    """The models live workers serve now, those the caller's key may use alone."""
     models = request.app.state.fleet.registry.models
     use = current_key()
-    if use is not None and use.key.models:  # a key sees only the models it may use
+    if use is not None and use.key.models:
         models = {name: view for name, view in models.items() if name in use.key.models}
-    data = [
-        {"id": view.name, "object": "model", "created": int(min(w.started for w in view.workers)),
-         "owned_by": "llmfleet", "root": view.name, "parent": None, "max_model_len": view.max_model_len,
-         "permission": []}
-        for view in sorted(models.values(), key=lambda v: v.name)
-    ]
-    return json_response({"object": "list", "data": data})
+    return models
+
+
+def _model_card(view: ModelView) -> dict:
+    return {"id": view.name, "object": "model", "created": int(min(w.started for w in view.workers)),
+            "owned_by": "llmfleet", "root": view.name, "parent": None, "max_model_len": view.max_model_len,
+            "permission": []}
 
 
 @router.get("/fleet/load")

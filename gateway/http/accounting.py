@@ -26,6 +26,7 @@ import time
 import uuid
 from typing import Any
 
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import metrics
@@ -116,10 +117,21 @@ def _request_id(scope: Scope) -> str:
     return uuid.uuid4().hex
 
 
-def _account(scope: Scope, facts: dict[str, Any], elapsed: float) -> None:
+def _route_path(scope: Scope) -> str | None:
+    """The template of the route that served the request or, for a refusal before routing (FrontDoor's
+    401, BodySizeLimit's 413), of the one it was for; None for a path no route has."""
     route = scope.get("route")
-    # A 413 from BodySizeLimit comes before routing: an API path still names its family.
-    path = route.path if route is not None else scope["path"] if scope["path"] in FAMILIES else None
+    if route is not None:
+        return route.path
+    app = scope.get("app")  # Starlette puts itself there before any middleware runs
+    for candidate in getattr(app, "routes", ()):
+        if candidate.matches(scope)[0] != Match.NONE:
+            return candidate.path
+    return None
+
+
+def _account(scope: Scope, facts: dict[str, Any], elapsed: float) -> None:
+    path = _route_path(scope)
     family, endpoint = FAMILIES.get(path) or ("llmfleet", path or "unmatched")
     status = facts.get("status") or facts.get("sent_status") or 500
     model = facts.get("model", "")

@@ -4,10 +4,15 @@ Body: {"error": {"message", "type", "param", "code"}}, with vLLM's `type` names,
 written against `vllm serve` read our errors the same way. A request model's own rules raise
 `FieldRuleError` inside pydantic's validation; the handler answers it with the rule's message and
 param. On the Anthropic routes every error takes Anthropic's shape instead (anthropic_errors.py).
+
+Where a newcomer's first request goes wrong, the message says what to do, rather than echo the
+framework: a body that is not JSON (its parser's position, or the missing Content-Type), a path no
+route has (unknown_paths.py), a method the path does not take.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from http import HTTPStatus
 from typing import Any
@@ -19,7 +24,7 @@ from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
-from gateway.http import anthropic_errors
+from gateway.http import anthropic_errors, unknown_paths
 from shared.errors import FleetError, Overloaded
 
 
@@ -43,6 +48,7 @@ def openai_rule(message: str, param: str) -> FieldRuleError:
 ERROR_TYPES = {
     400: "BadRequestError",
     404: "NotFoundError",
+    405: "MethodNotAllowedError",
     422: "UnprocessableEntityError",
     429: "RateLimitError",
     500: "InternalServerError",
@@ -97,8 +103,45 @@ def _describe(error: dict) -> str:
     return str(error)
 
 
-async def _on_validation_error(_request: Request, exc: RequestValidationError) -> Response:
+def is_json(content_type: str | None) -> bool:
+    """True for the Content-Types FastAPI reads a body as JSON for (application/json, application/*+json)."""
+    maintype, _, subtype = (content_type or "").partition(";")[0].strip().lower().partition("/")
+    return maintype == "application" and (subtype == "json" or subtype.endswith("+json"))
+
+
+def not_json_message(content_type: str | None) -> str:
+    sent = f"this one says `{content_type}`" if content_type else "this one has none"
+    return ("The request body must be JSON, sent with `Content-Type: application/json` "
+            f"({sent}; curl -d sends application/x-www-form-urlencoded unless given "
+            "-H 'Content-Type: application/json').")
+
+
+def invalid_json_message(error: json.JSONDecodeError) -> str:
+    return (f"The request body is not valid JSON: {error.msg} at line {error.lineno} column {error.colno} "
+            f"(char {error.pos}).")
+
+
+def bad_request(message: str) -> Response:
+    return json_response(error_body(message, 400), 400)
+
+
+def _unreadable_body(request: Request, exc: RequestValidationError, errors: list[dict]) -> Response | None:
+    """The answer to a body that is not JSON at all, in words (FastAPI's would be a repr of its error)."""
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid" and isinstance(exc.body, str):
+        return bad_request(invalid_json_message(json.JSONDecodeError(first["ctx"]["error"], exc.body,
+                                                                     first["loc"][1])))
+    content_type = request.headers.get("content-type")
+    if tuple(first.get("loc", ())) == ("body",) and not is_json(content_type):
+        return bad_request(not_json_message(content_type))  # FastAPI validated the raw bytes
+    return None
+
+
+async def _on_validation_error(request: Request, exc: RequestValidationError) -> Response:
     errors = list(exc.errors())
+    unreadable = _unreadable_body(request, exc, errors)
+    if unreadable is not None:
+        return unreadable
     rule = next((e["ctx"]["error"] for e in errors if isinstance((e.get("ctx") or {}).get("error"), FieldRuleError)),
                 None)
     if rule is not None:  # a rule vLLM checks in its request model: its own error type and message
@@ -113,9 +156,16 @@ async def _on_fleet_error(_request: Request, exc: FleetError) -> Response:
     return fleet_error_response(exc)
 
 
-async def _on_http_error(_request: Request, exc: HTTPException) -> Response:
-    return json_response(error_body(str(exc.detail), exc.status_code, err_type=HTTPStatus(exc.status_code).phrase),
-                         exc.status_code, getattr(exc, "headers", None))
+async def _on_http_error(request: Request, exc: HTTPException) -> Response:
+    """The router's 404 (no route has the path) and 405 (the route takes other methods), said usefully."""
+    status, headers = exc.status_code, getattr(exc, "headers", None)
+    message = str(exc.detail)
+    if status == 404 and "route" not in request.scope:
+        message = unknown_paths.explain(request)
+    elif status == 405:
+        allowed = (headers or {}).get("Allow", "")
+        message = f"{request.method} is not allowed on {request.url.path}; it takes {allowed or 'other methods'}."
+    return json_response(error_body(message, status), status, headers)
 
 
 async def _on_redis_error(_request: Request, exc: Exception) -> Response:
@@ -123,13 +173,18 @@ async def _on_redis_error(_request: Request, exc: Exception) -> Response:
 
 
 def _in_family_shape(handler):
-    """The handler, answering on the Anthropic routes in Anthropic's error shape."""
+    """The handler, answering on the Anthropic routes (and a mistyped path meant for them) in
+    Anthropic's error shape."""
     async def handle(request: Request, exc: Exception) -> Response:
-        if not anthropic_errors.owns(request.url.path):
+        if not anthropic_errors.owns(unknown_paths.meant_path(request.url.path)):
             return await handler(request, exc)
         if isinstance(exc, FleetError):
             return anthropic_errors.error_response(exc)
-        return anthropic_errors.reshape(await handler(request, exc))
+        answer = await handler(request, exc)
+        reshaped = anthropic_errors.reshape(answer)
+        if "allow" in answer.headers:  # a 405's list of the methods the path takes
+            reshaped.headers["Allow"] = answer.headers["allow"]
+        return reshaped
     return handle
 
 

@@ -28,6 +28,10 @@ class Case:
     # (status, type, param) the API itself (OpenAI's, Anthropic's) answers where `vllm serve` accepts
     # the request: llmfleet is held to it instead (docs/compatibility.md).
     api: tuple[int, str, str] | None = None
+    # (status, type, param, code) llmfleet answers where `vllm serve`'s answer is its framework's,
+    # which says nothing to a newcomer (a body that is not JSON: a repr of pydantic's error, its
+    # param "body.<char>"): llmfleet is held to its own, in words (gateway/http/errors.py).
+    ours: tuple[int, str, str | None, int | None] | None = None
 
     @property
     def stream(self) -> bool:
@@ -48,6 +52,7 @@ class Battery:
 
 
 HELLO = [{"role": "user", "content": "Hello there, how are you today?"}]
+NOT_JSON = (400, "BadRequestError", None, 400)  # llmfleet's answer to a body that is not JSON (`Case.ours`)
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo"]}},
@@ -216,7 +221,7 @@ def build() -> list[Case]:
     b.add("errors", "unknown model", C, chat(model="no-such-model"), **bad)
     b.add("errors", "tool_choice without tools", C, chat(tool_choice="required"), **bad)
     b.add("errors", "empty tools", C, chat(tools=[]), **bad)
-    b.add("errors", "broken JSON", C, b'{"model": "tiny-tools", "messages": [', **bad)
+    b.add("errors", "broken JSON", C, b'{"model": "tiny-tools", "messages": [', **bad, ours=NOT_JSON)
     b.add("errors", "continue_final_message with add_generation_prompt", C,
           chat(continue_final_message=True, add_generation_prompt=True), **bad)
     b.add("errors", "two structured constraints", C,

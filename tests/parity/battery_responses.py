@@ -22,7 +22,7 @@ from typing import Any
 import pydantic
 from openai.types.responses import Response, ResponseStreamEvent
 
-from tests.parity.battery import PERSON_SCHEMA, THINK_MODEL, TOOLS_MODEL, Battery, Case
+from tests.parity.battery import NOT_JSON, PERSON_SCHEMA, THINK_MODEL, TOOLS_MODEL, Battery, Case
 from tests.parity.compare import Answer, differences
 
 PATH = "/v1/responses"
@@ -103,7 +103,7 @@ def build() -> list[Case]:
     b.add("errors", "temperature 3", R, tools(temperature=3), **bad)
     b.add("errors", "max_output_tokens 0", R, tools(max_output_tokens=0), **bad)
     b.add("errors", "unknown model", R, tools(model="nope"), **bad)
-    b.add("errors", "malformed JSON", R, b'{"model": "tiny-tools", "input": ', **bad)
+    b.add("errors", "malformed JSON", R, b'{"model": "tiny-tools", "input": ', **bad, ours=NOT_JSON)
     b.add("errors", "unknown previous_response_id", R, tools(previous_response_id="resp_unknown"), **bad)
     b.add("errors", "encrypted reasoning input", R, tools(input=[
         {"type": "reasoning", "summary": [], "encrypted_content": "xyz"}, user("Hi")]), **bad)

@@ -215,6 +215,9 @@ def run_battery(servers: Servers, cases: list[Case] | None = None) -> list[Resul
             if case.api is not None:  # vllm serve accepts it; llmfleet answers as the OpenAI API does
                 expected = Answer(case.api[0], {"error": {"type": case.api[1], "param": case.api[2],
                                                              "code": None}}, False)
+            elif case.ours is not None:  # vllm serve's answer is a framework's; llmfleet's says it in words
+                status, err_type, param, code = case.ours
+                expected = Answer(status, {"error": {"type": err_type, "param": param, "code": code}}, False)
             if case.path == battery_responses.PATH:
                 diffs = battery_responses.responses_differences(expected, actual)
             elif battery_messages.owns(case):

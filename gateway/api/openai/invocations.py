@@ -11,7 +11,7 @@ from starlette.responses import Response
 from gateway.api.openai.chat import create_chat_completion
 from gateway.api.openai.completions import create_completion
 from gateway.api.openai.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.http.errors import error_body, json_response
+from gateway.http.errors import bad_request, error_body, invalid_json_message, is_json, json_response, not_json_message
 
 router = APIRouter()
 
@@ -26,10 +26,13 @@ _BODY_SCHEMA = {"requestBody": {"required": True, "content": {"application/json"
 
 @router.post("/invocations", openapi_extra=_BODY_SCHEMA)
 async def invocations(request: Request) -> Response:
+    content_type = request.headers.get("content-type")
+    if not is_json(content_type):  # as FastAPI refuses it on every other route
+        return bad_request(not_json_message(content_type))
     try:
         body = orjson.loads(await request.body())
     except orjson.JSONDecodeError as exc:
-        return json_response(error_body(f"JSON decode error: {exc}", 400), 400)
+        return bad_request(invalid_json_message(exc))
     for model, handler in HANDLERS:
         try:
             parsed = model.model_validate(body)
