@@ -26,6 +26,8 @@ request, never that it jumps the queue. The gateway chooses where a request goes
   streams that may hold waiting entries are a sorted set (`keys.affinity_waiting`), scored no
   later than their oldest waiting entry: a busy or stopped preferred worker delays a request by
   that much, and never leaves it waiting while another worker has room.
+- A request its gateway gives up on before a worker claims it leaves the worker's stream as it
+  would the model's (`shared.fair_queue.WITHDRAW`).
 - A dead worker's running requests are reclaimed from its stream like the shared stream's (its
   heartbeat's expiry is in `keys.affinity_streams`); its empty stream is then deleted (`FORGET`).
 
@@ -85,7 +87,8 @@ end
 
 # KEYS: shared request stream, waiting set, doorbell, candidate streams (best first). ARGV: depth
 # limit, maxlen, envelope field, envelope, group, now (ms), ttl, load factor, then each candidate's
-# most waiting. Returns {candidate (1-based; 0: none had room, -1: the model's queue is full), depth}.
+# most waiting. Returns {candidate (1-based; 0: none had room, -1: the model's queue is full), depth[, the
+# entry id in the candidate's stream]}.
 ROUTE = _WAITING + _RING + """
 local depth = redis.call('XLEN', KEYS[1])
 if depth >= tonumber(ARGV[1]) then return {-1, depth} end
@@ -99,12 +102,12 @@ for i = 4, #KEYS do
   local length = lengths[i]
   local state = length < bound and group_state(KEYS[i], ARGV[5])
   if state and length - state['pending'] < tonumber(ARGV[5 + i]) then
-    redis.call('XADD', KEYS[i], 'MAXLEN', '~', ARGV[2], '*', ARGV[3], ARGV[4])
+    local id = redis.call('XADD', KEYS[i], 'MAXLEN', '~', ARGV[2], '*', ARGV[3], ARGV[4])
     redis.call('EXPIRE', KEYS[i], ARGV[7])
     redis.call('ZADD', KEYS[2], 'NX', ARGV[6], KEYS[i])
     redis.call('EXPIRE', KEYS[2], ARGV[7])
     ring(KEYS[3], ARGV[6], ARGV[7])
-    return {i - 3, depth}
+    return {i - 3, depth, id}
   end
 end
 return {0, depth}

@@ -21,6 +21,14 @@ as before. What changes is which request an entry stands for:
   its priority's turns if it still holds requests. The binding (`keys.bound_requests`, ticket -> envelope) is kept
   until the ticket is acknowledged, so a ticket reclaimed from a dead worker runs the same
   request again, and binding is idempotent.
+- A gateway that gives up on a request no worker has claimed (its queue timeout, its deadline, its
+  client gone) takes it back (`WITHDRAW`, atomic), so the backlog counts only requests someone
+  still waits for: an envelope entry leaves its stream (the model's, or a worker's own:
+  `shared.affinity`); a tenant's request leaves its queue (and its turn, if that empties the
+  queue) together with one waiting ticket, its own if no worker has read it yet, else another:
+  tickets are interchangeable, and every waiting ticket must keep an envelope to bind, or each
+  later binding would be one off. A request already claimed or bound is left to its worker, which
+  drops it unstarted (the gateway's cancel is stashed for it).
 
 - A worker whose slots are all busy may still start a few requests (`--express-slots`): only
   while a queue waits in a new turn, that is a tenant with nothing else queued (`EXPRESS`). Its
@@ -50,13 +58,12 @@ PRIORITIES = ("high", "normal", "low")  # served in this order (gateway.tenancy.
 # KEYS: request stream [, tenant queue, its priority's new turns, the new-turn doorbell]. ARGV: depth
 # limit, maxlen, envelope field, envelope [, ticket field, ttl]. With one key, the envelope is the entry
 # (arrival order); with four, the entry is a ticket and the envelope waits in its tenant's queue (a
-# queue that was empty takes a new turn and rings the doorbell). Returns {accepted, depth}.
+# queue that was empty takes a new turn and rings the doorbell). Returns {accepted, depth[, entry id]}.
 ENQUEUE = """
 local depth = redis.call('XLEN', KEYS[1])
 if depth >= tonumber(ARGV[1]) then return {0, depth} end
 if #KEYS == 1 then
-  redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', ARGV[3], ARGV[4])
-  return {1, depth}
+  return {1, depth, redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', ARGV[3], ARGV[4])}
 end
 if redis.call('RPUSH', KEYS[2], ARGV[4]) == 1 then
   redis.call('RPUSH', KEYS[3], KEYS[2])
@@ -66,8 +73,7 @@ if redis.call('RPUSH', KEYS[2], ARGV[4]) == 1 then
 end
 redis.call('EXPIRE', KEYS[2], ARGV[6])
 redis.call('EXPIRE', KEYS[3], ARGV[6])
-redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', ARGV[5], '1')
-return {1, depth}
+return {1, depth, redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', ARGV[5], '1')}
 """
 
 # KEYS: bindings, then the new turns and the turns of each priority, highest first. ARGV: ttl,
@@ -120,6 +126,52 @@ end
 return {}
 """
 
+# KEYS: the stream the request was added to [, its tenant's queue, that priority's new turns, its
+# turns]. ARGV: group, the entry id its add returned [, its envelope, ticket field]. Takes back a
+# request no worker has claimed: its entry, or (with four keys) its envelope and a waiting ticket,
+# its own if still unread, else the newest one unread. Returns 1 if it did; 0 if a worker has it
+# (claimed, or bound to some ticket), which ends it itself.
+WITHDRAW = """
+local function later(a, b)
+  local a_ms, a_seq = string.match(a, '^(%d+)-(%d+)$')
+  local b_ms, b_seq = string.match(b, '^(%d+)-(%d+)$')
+  a_ms, b_ms = tonumber(a_ms), tonumber(b_ms)
+  return a_ms > b_ms or (a_ms == b_ms and tonumber(a_seq) > tonumber(b_seq))
+end
+local read = '0-0'  -- the group's last delivered entry: those after it no worker has read
+local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', KEYS[1])
+for _, g in ipairs(ok and groups or {}) do
+  local state = {}
+  for i = 1, #g, 2 do state[g[i]] = g[i + 1] end
+  if state['name'] == ARGV[1] then read = state['last-delivered-id'] end
+end
+local function unread(id)
+  return later(id, read) and #redis.call('XRANGE', KEYS[1], id, id) == 1
+end
+if #KEYS == 1 then
+  if not unread(ARGV[2]) then return 0 end
+  redis.call('XDEL', KEYS[1], ARGV[2])
+  return 1
+end
+if redis.call('LREM', KEYS[2], 1, ARGV[3]) == 0 then return 0 end  -- bound: a worker has it
+if redis.call('LLEN', KEYS[2]) == 0 then  -- an empty queue has no turn
+  redis.call('LREM', KEYS[3], 0, KEYS[2])
+  redis.call('LREM', KEYS[4], 0, KEYS[2])
+end
+local ticket = unread(ARGV[2]) and ARGV[2]
+local high = '+'
+while not ticket do
+  local page = redis.call('XREVRANGE', KEYS[1], high, '(' .. read, 'COUNT', 100)
+  if #page == 0 then break end  -- none unread: a claimed ticket not bound yet binds none, and is dropped
+  for _, entry in ipairs(page) do
+    if entry[2][1] == ARGV[4] then ticket = entry[1] break end
+  end
+  high = '(' .. page[#page][1]
+end
+if ticket then redis.call('XDEL', KEYS[1], ticket) end
+return 1
+"""
+
 
 def enqueue_keys(model: str, tenant: str, priority: str) -> list[str]:
     """The keys of `ENQUEUE` for a request of `tenant` ("" : anonymous, its own stream entry)."""
@@ -133,6 +185,22 @@ def enqueue_keys(model: str, tenant: str, priority: str) -> list[str]:
 def enqueue_args(depth_limit: int, envelope: bytes, fair: bool) -> list:
     args = [depth_limit, keys.REQUEST_STREAM_MAXLEN, keys.ENVELOPE_FIELD, envelope]
     return [*args, keys.TICKET_FIELD, keys.FAIR_QUEUE_TTL_S] if fair else args
+
+
+def withdraw_keys(stream: str, model: str = "", tenant: str = "", priority: str = "normal") -> list[str]:
+    """The keys of `WITHDRAW` for a request added to `stream`: as an envelope entry, or (`tenant`)
+    as a ticket of the model's stream, its envelope in the tenant's queue."""
+    if not tenant:
+        return [stream]
+    priority = priority if priority in PRIORITIES else "normal"
+    return [stream, keys.tenant_queue(model, priority, tenant), keys.tenant_turns(model, priority, new=True),
+            keys.tenant_turns(model, priority)]
+
+
+def withdraw_args(entry_id: str, envelope: bytes | None = None) -> list:
+    """`WITHDRAW`'s arguments: the entry id the add returned, and for a ticket its request's envelope."""
+    args = [keys.WORKER_GROUP, entry_id]
+    return args if envelope is None else [*args, envelope, keys.TICKET_FIELD]
 
 
 def bind_keys(model: str) -> list[str]:

@@ -9,12 +9,15 @@ part of the name. `<...>` is a placeholder.
 | name                                 | type    | bound                                    |
 |--------------------------------------|---------|------------------------------------------|
 | llmfleet:requests:{<model>}          | stream  | MAXLEN ~REQUEST_STREAM_MAXLEN; entries   |
-|                                      |         | are XDEL'd by the worker once answered   |
+|                                      |         | are XDEL'd by the worker once answered,  |
+|                                      |         | or by the gateway that gave up on one no |
+|                                      |         | worker read (`fair_queue.WITHDRAW`)      |
 | llmfleet:requests:{<model>}:worker:  | stream  | MAXLEN ~REQUEST_STREAM_MAXLEN, TTL       |
 |   <worker_id>                        |         | AFFINITY_STREAM_TTL_S refreshed by its   |
 |                                      |         | worker and every XADD; a worker's own    |
 |                                      |         | requests (shared/affinity.py), at most   |
-|                                      |         | its slots plus a few waiting             |
+|                                      |         | its slots plus a few waiting; XDEL'd as  |
+|                                      |         | the model's stream's                     |
 | llmfleet:affinity:{<model>}:waiting  | zset    | TTL AFFINITY_STREAM_TTL_S, refreshed;    |
 |                                      |         | worker streams that may hold waiting     |
 |                                      |         | requests (one member per worker)         |
@@ -66,7 +69,8 @@ part of the name. `<...>` is a placeholder.
 | llmfleet:queue:{<model>}:<priority>: | list    | TTL FAIR_QUEUE_TTL_S, refreshed; one     |
 |   <tenant>                           |         | envelope per ticket in the request stream|
 |                                      |         | (so at most its length): a tenant's      |
-|                                      |         | waiting requests (shared/fair_queue.py)  |
+|                                      |         | waiting requests (shared/fair_queue.py); |
+|                                      |         | one withdrawn leaves with a ticket       |
 | llmfleet:turns:{<model>}:<priority>  | list    | TTL FAIR_QUEUE_TTL_S, refreshed; the     |
 |   [:new]                             |         | tenant queues not empty, each in one of  |
 |                                      |         | the two once                             |
@@ -106,8 +110,9 @@ part of the name. `<...>` is a placeholder.
 
 The keys that share a slot, and the operation that needs it:
 - `{<model>}`: a poison entry's XADD to the dead letters, XACK and XDEL, in order on one node;
-  the fair-share scripts (`shared/fair_queue.py`), which add a ticket and queue its envelope, and
-  bind a claimed ticket to the envelope whose turn it is, in one step; the affinity scripts
+  the fair-share scripts (`shared/fair_queue.py`), which add a ticket and queue its envelope,
+  bind a claimed ticket to the envelope whose turn it is, and withdraw a request no worker has
+  claimed (its entry, or its envelope, its turn and a ticket), each in one step; the affinity scripts
   (`shared/affinity.py`), which add to a worker's own stream or take another's waiting entries,
   and a worker's one XREADGROUP of its own stream and its model's.
 - `{<request_id>}`: the worker's lease/cancel-stash/streamed check, and the one DEL of all three

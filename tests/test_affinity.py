@@ -281,7 +281,8 @@ def test_a_preferred_worker_past_the_bounded_load_spills_to_the_next(redis_url):
             client.xgroup_create(stream, keys.WORKER_GROUP, id="0", mkstream=True)
 
         def routed(allowances=(100, 100)) -> int:
-            chosen, _depth = route(keys=streams, args=affinity.route_args(1000, b"envelope", 1000, list(allowances)))
+            chosen, *_depth_and_entry = route(keys=streams, args=affinity.route_args(1000, b"envelope", 1000,
+                                                                                  list(allowances)))
             return chosen
 
         # Mean of 0.5, 1, 1.5, 2 with each request: bounds 1, 2, 3, 3 (x 1.5, rounded up).

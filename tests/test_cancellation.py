@@ -110,9 +110,13 @@ def test_disconnect_while_queued_never_starts_the_request(gateways, slow_worker,
         next(busy_events)  # the only slot is taken
         with pytest.raises(httpx.ReadTimeout):  # the second request waits in the queue; we hang up
             httpx.post(f"{gateways[0].url}/v1/chat/completions", json=_chat(model), timeout=0.5)
+        # No worker claimed it: the gateway takes it back from the queue, which holds the busy one only.
+        wait_for(lambda: redis_client.xlen(keys.request_stream(model)) == 1, 5, "the queued request to leave")
         assert httpx.post(f"{gateways[1].url}/v1/cancel", json={"cancel_id": "first"}).json() == {"cancelled": 1}
         list(busy_events)
-    wait_for(lambda: _cancels(slow_worker, phase="queued") == 1, 5, "the queued request to be dropped")
+    wait_for(lambda: _in_flight(slow_worker) == 0, 5, "the busy request to end")
+    assert metric_value(slow_worker.url, "llmfleet_worker_claims_total", model=model) == 1
+    assert _cancels(slow_worker, phase="queued") == 0
     assert metric_value(slow_worker.url, "llmfleet_worker_generated_tokens_total") < 200
     wait_for(lambda: _in_flight(slow_worker) == 0 and not leftover_keys(redis_client), 5, "a clean queue")
 

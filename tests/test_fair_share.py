@@ -219,26 +219,35 @@ async def test_a_dead_workers_tickets_run_their_own_requests_on_another_worker(r
 async def test_queued_tickets_keep_cancels_queue_timeouts_and_the_backlog_bound(redis_url, redis_client, model):
     async with in_process_fleet(redis_url, max_queue=3) as fleet:
         # No worker yet: the bound counts tickets as it counts envelopes.
-        blocker = envelope(model, "a", max_tokens=50)
-        cancelled, stale = envelope(model, "b"), envelope(model, "c", queue_timeout_s=0.2)
+        blocker, gone, behind = envelope(model, "a", max_tokens=200), envelope(model, "b"), envelope(model, "c")
         leave = asyncio.Event()
-        runs = [*await submit_all(fleet, [blocker]), *await submit_all(fleet, [cancelled], leave),
-                *await submit_all(fleet, [stale])]
+        runs = [*await submit_all(fleet, [blocker]), *await submit_all(fleet, [gone], leave),
+                *await submit_all(fleet, [behind])]
         with pytest.raises(Overloaded):
             async with submitted(fleet, envelope(model, "d")):
                 pass
         assert redis_client.xlen(keys.request_stream(model)) == 3
-        leave.set()  # the client went away: its cancel waits for a worker to claim it
+        leave.set()  # the client went away before any worker: its request leaves the queue, ticket and all
         await asyncio.wait_for(runs[1], 10)
+        await asyncio.to_thread(wait_for, lambda: redis_client.xlen(keys.request_stream(model)) == 2, 5,
+                                "the request to be withdrawn")
+        assert not redis_client.exists(keys.tenant_queue(model, "normal", "b"))
         worker = one_slot_worker(redis_url, model)
         try:
-            first, third = await asyncio.wait_for(asyncio.gather(runs[0], runs[2]), 60)
-            assert first.finish_reason == "length"
+            await wait_running(redis_client, blocker)
+            await asyncio.to_thread(wait_for, lambda: fleet.registry.serves(model), 5, "the gateway to see the worker")
+            # Past its queue timeout behind the running blocker and `behind`, with a live worker: the
+            # gateway waits, and the worker that claims it drops it unstarted.
+            stale = envelope(model, "e", queue_timeout_s=0.2)
+            runs += await submit_all(fleet, [stale])
+            first, second, third = await asyncio.wait_for(asyncio.gather(runs[0], runs[2], runs[3]), 60)
+            assert first.finish_reason == second.finish_reason == "length"
             assert third.error is not None and third.error.code == "queue_timeout"
             await asyncio.to_thread(wait_for, lambda: not model_keys_left(redis_client, model), 10,
                                     "every ticket to be acknowledged and its binding removed")
             assert redis_client.hlen(keys.bound_requests(model)) == 0
             assert redis_client.xlen(keys.request_stream(model)) == 0
+            assert metric_value(worker.url, "llmfleet_worker_claims_total", model=model) == 3
         finally:
             worker.stop()
 

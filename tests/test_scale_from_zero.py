@@ -1,7 +1,6 @@
 """Scale from zero: a known model with no live worker queues its requests, and the backlog says so.
 
-Every test runs on a Redis of its own: a request that times out leaves its entry in the stream
-until a worker drains it, which the session Redis's leftover checks would count.
+Every test runs on a Redis of its own, whose leftovers no other test's checks count.
 """
 
 from __future__ import annotations
@@ -79,7 +78,6 @@ def test_a_request_for_a_configured_model_waits_for_its_first_worker(own_redis):
 def test_a_known_model_with_no_worker_is_a_503_at_its_queue_timeout(own_redis):
     (redis_proc, client), model = own_redis, f"idle-{uuid.uuid4().hex[:6]}"
     gateway = start_gateway(redis_proc.url, "--models", model, "--queue-timeout", "1")
-    worker = None
     try:
         waited = _Post(gateway.url, _chat(model))
         waited.run()
@@ -87,17 +85,13 @@ def test_a_known_model_with_no_worker_is_a_503_at_its_queue_timeout(own_redis):
         error = waited.response.json()["error"]
         assert (error["type"], error["code"]) == ("ServiceUnavailableError", 503)
         assert "No worker is serving the model" in error["message"] and "queue timeout" in error["message"]
-        # The queue timeout, plus the grace the gateway gives a worker's own answer, plus a silence check.
-        assert 1 + 5 <= waited.elapsed < 1 + 5 + 5, waited.elapsed
-        # The abandoned request is still queued: the worker it wakes drops it as cancelled, unrun.
-        assert client.xlen(keys.request_stream(model)) == 1
-        worker = start_worker(redis_proc.url, model)
-        wait_for(lambda: client.xlen(keys.request_stream(model)) == 0, 10, "the worker to drain the stale request")
-        assert metric_value(worker.url, "llmfleet_worker_cancels_total", cause="queue_timeout", phase="queued") == 1
+        # At the queue timeout itself (checked then, not at a later silence check), on a loaded machine too.
+        assert 1 <= waited.elapsed < 1 + 2, waited.elapsed
+        # The abandoned request leaves the queue: its backlog no longer wakes a worker for nobody.
+        wait_for(lambda: client.xlen(keys.request_stream(model)) == 0, 5, "the request to leave the queue")
+        wait_for(lambda: _backlog(gateway.url, model) == (0, 0, 0), 5, "an empty backlog")
     finally:
         gateway.stop()
-        if worker is not None:
-            worker.stop()
 
 
 def test_backlog_gauges_split_waiting_from_running(own_redis):

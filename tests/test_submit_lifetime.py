@@ -4,8 +4,9 @@ registers and queues the request, and on every way out closes its reply route an
 The gateway's side runs in the test process on a real Redis. Each await of a submit is parked in
 turn (before and after the real call) and the submit is cancelled there, as a client that hangs
 up at that moment cancels its handler: the route must be closed, the `run:{id}` key gone, the
-cancel_id set left with no member for the request, and a request that may have been queued must
-be cancelled (its `cancelled:{id}` stash), so that no worker runs it for nobody.
+cancel_id set left with no member for the request, and a request that was queued must leave the
+queue (`fair_queue.WITHDRAW`), or where the submit never learnt where it went, be cancelled (its
+`cancelled:{id}` stash), so that no worker runs it for nobody.
 """
 
 from __future__ import annotations
@@ -127,14 +128,15 @@ async def test_every_way_out_of_the_block_ends_the_run(redis_url, redis_client):
                 await task
             await asyncio.wait_for(asyncio.gather(*fleet._tasks), 10)
             assert left_behind(redis_client, fleet, request) == [], way_out
-            # An unended run is cancelled on its worker, whatever the way out.
-            assert redis_client.get(keys.cancelled_key(request.request_id)) == b"disconnect", way_out
+            # An unended run no worker claimed leaves the queue, whatever the way out: nothing to cancel.
+            assert redis_client.xlen(keys.request_stream(model)) == 0, way_out
+            assert not redis_client.exists(keys.cancelled_key(request.request_id)), way_out
 
 
 async def test_a_detached_run_cancelled_before_its_first_step_still_ends(redis_url, redis_client):
     """A resumable run's relay task owns its ending from its first step; cancelled before that (the
     gateway stopping at once), its done callback ends the run instead: route closed, the run
-    unregistered and cancelled, the event log ended, nothing left in `fleet.detached`."""
+    unregistered and taken back from the queue, the event log ended, nothing left in `fleet.detached`."""
     from gateway.api.openai.chat import ChatFormatter
     from gateway.api.openai.protocol import ChatCompletionRequest
     from gateway.serve.life import RequestLife
@@ -152,7 +154,8 @@ async def test_a_detached_run_cancelled_before_its_first_step_still_ends(redis_u
         await asyncio.wait_for(asyncio.gather(*fleet._tasks), 10)  # the ending, in the background
         await asyncio.wait_for(asyncio.gather(*fleet._tasks), 10)  # and the unregistering it started
         assert left_behind(redis_client, fleet, request) == []
-        assert redis_client.get(keys.cancelled_key(request.request_id)) == b"disconnect"
+        assert redis_client.xlen(keys.request_stream(request.model)) == 0
+        assert not redis_client.exists(keys.cancelled_key(request.request_id))
         assert detached.response_id not in fleet.detached
         assert redis_client.ttl(keys.event_log_key(detached.response_id)) > 0
 

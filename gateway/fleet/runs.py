@@ -4,8 +4,9 @@
 (replies), the `WorkerRegistry`, the cancel registry, the rate limiter and the stores (API keys,
 sessions, stored Responses), and the background tasks that run them. `Fleet.submit` is the one
 owner of a request's registration: it admits it against its key's limits, registers it for
-cancels, queues it, and on the way out, on every path, unregisters it (cancelling it first on its
-worker if it had not ended) and frees its key's place in flight. `Run` is one submitted request:
+cancels, queues it, and on the way out, on every path, unregisters it (if it had not ended, taking
+it back from the queue when no worker has claimed it, else cancelling it on its worker) and frees
+its key's place in flight. `Run` is one submitted request:
 an async iterator over its chunks that, if closed before the terminal chunk, tells the workers to
 stop. (What the request's end means to the client, its metrics and its stored history is
 gateway/serve/life.py's.)
@@ -19,6 +20,7 @@ import math
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import NoReturn, Protocol
 
 from redis.exceptions import RedisError
@@ -28,7 +30,7 @@ from gateway.fleet.api_keys import KeyStore
 from gateway.fleet.cancels import CancelRegistry, cancel_groups
 from gateway.fleet.rate_limits import Grant, KeyUse, RateLimits
 from gateway.fleet.registry import ModelView, WorkerRegistry
-from gateway.fleet.relay import ReplyRouter
+from gateway.fleet.relay import SILENCE, ReplyRouter
 from gateway.fleet.responses import ResponseStore
 from gateway.fleet.sessions import SessionStore
 from gateway.settings import GatewaySettings
@@ -41,14 +43,23 @@ from shared.stopping import stop_tasks, within
 
 log = logging.getLogger(__name__)
 
-DEADLINE_GRACE_S = 5.0
+DEADLINE_GRACE_S = 5.0  # past a request's deadline: the worker ends a generation then, and its ending may follow
 REDIS_CONNECTIONS = 200  # per gateway process; the reply reader and registry hold a few of them
 REDIS_POOL_WAIT_S = 5.0  # longest wait for a free connection before the request gets a 503
 SILENCE_CHECK_S = 0.5  # how often a silent request checks its deadline and that its worker still lives
+QUEUE_ALARM_LAG_S = 0.005  # a timer may fire a little before its time: the queue deadline has passed by then
 # A stop takes at most STOP_GRACE_S + 2 * STOP_CANCEL_S + REDIS_CLOSE_S, whatever Redis does.
 STOP_GRACE_S = 2.0  # the cancels and unregistering of the last runs may take this long
 STOP_CANCEL_S = 2.0  # then what still runs is cancelled, and left behind after this
 REDIS_CLOSE_S = 2.0
+
+
+@dataclass(slots=True, frozen=True)
+class Placement:
+    """Where a queued request waits for a worker, as `fair_queue.WITHDRAW` takes it back."""
+
+    keys: list[str]
+    args: list
 
 
 class Run:
@@ -70,6 +81,8 @@ class Run:
         self.ending: asyncio.Task | None = None  # the unregistering, once the owner began it
         self.unreachable = False  # Redis failed while registering it: nothing to unregister
         self.worker_id = ""
+        self.placement: Placement | None = None  # where it was queued, once it surely was
+        self._queue_alarm: asyncio.TimerHandle | None = None
         self._next_seq = 0
         self._lease = 0  # the newest lease of the request heard from (`ChunkEnvelope.lease`)
 
@@ -101,6 +114,13 @@ class Run:
                     self.grant.count(chunk)
                 yield chunk
 
+    def wake_at_queue_deadline(self) -> None:
+        """Have the run look around at its queue deadline (a silence, as the router's periodic one),
+        so a request no worker can take gets its 503 then, not at a later silence check."""
+        if self.envelope.queue_deadline > 0 and not self.closed:
+            delay = max(0.0, self.envelope.queue_deadline - time.time()) + QUEUE_ALARM_LAG_S
+            self._queue_alarm = asyncio.get_running_loop().call_later(delay, self._replies.put_nowait, SILENCE)
+
     def _follow_lease(self, lease: int) -> None:
         """Follow the worker holding the newest lease. One that took the request over starts it
         anew: if an earlier worker's output already reached the client, the response cannot go on."""
@@ -124,11 +144,12 @@ class Run:
                                      "request waited for one until its queue timeout.", code="queue_timeout")
 
     def _unclaimed_past_queue_deadline(self) -> bool:
-        """Nothing came back by the queue deadline (plus the grace) and no worker of the model is
-        alive. With a live worker the gateway waits: the worker that claims the request ends it
-        itself if it is stale, and one that has started it may be in a long prefill."""
+        """Nothing came back by the queue deadline and no worker of the model is alive (checked at
+        the deadline itself, `wake_at_queue_deadline`). With a live worker the gateway waits: the
+        worker that claims the request ends it itself if it is stale, and one that has started it
+        may be in a long prefill."""
         queue_deadline = self.envelope.queue_deadline
-        return (not self.worker_id and queue_deadline > 0 and time.time() >= queue_deadline + DEADLINE_GRACE_S
+        return (not self.worker_id and queue_deadline > 0 and time.time() >= queue_deadline
                 and not self._registry.serves(self.envelope.model))
 
     async def first_or_error(self) -> tuple[GenerationChunk, AsyncIterator[GenerationChunk]]:
@@ -147,6 +168,8 @@ class Run:
         self.cancel_reason = None if self.finished else reason
         self.finished = True
         self.closed_at = time.time()
+        if self._queue_alarm is not None:
+            self._queue_alarm.cancel()
 
 
 class Detached(Protocol):
@@ -174,6 +197,7 @@ class Fleet:
         self.responses = ResponseStore(self.redis, int(settings.response_store_ttl_s),
                                        settings.response_store_max_bytes, settings.response_store_max_entries)
         self._enqueue_script = self.batched.register_script(fair_queue.ENQUEUE)
+        self._withdraw_script = self.batched.register_script(fair_queue.WITHDRAW)
         self._route_script = self.batched.register_script(affinity.ROUTE)
         self.draining = False
         self._loops: list[asyncio.Task] = []
@@ -226,8 +250,8 @@ class Fleet:
         """The one owner of a request's registration here: `async with fleet.submit(envelope) as run:`
         admits it against its key's limits, opens its reply route, registers it and queues it for
         its model's workers; on the way out, on every path (an error, a cancel at any await, a
-        client gone), it closes the route and unregisters it, cancelling it on its worker first if
-        it had not ended."""
+        client gone), it closes the route and unregisters it, if it had not ended taking it back
+        from the queue first, or cancelling it on its worker once one has claimed it."""
         self._check_open(envelope)
         grant = await self.limits.admit(envelope, key)  # its key's limits (404, 429), before anything is registered
         envelope.reply_to = self.router.stream
@@ -235,6 +259,7 @@ class Fleet:
         run.grant = grant  # released by the run's ending, on every path
         try:
             await self._queue(run)
+            run.wake_at_queue_deadline()
             yield run
         finally:
             run.close()
@@ -261,12 +286,12 @@ class Fleet:
                 if await self.cancels.register(envelope.request_id, envelope.tenant, groups, self._ttl(envelope)):
                     run._replies.put_nowait(ChunkEnvelope(envelope.request_id, 0, [_cancelled_before_start(envelope)]))
                     return
-                await self._enqueue(envelope)
+                run.placement = await self._enqueue(envelope)
             else:  # nothing can have cancelled it: register and queue in the same batch, one round trip
                 registering = asyncio.ensure_future(self.cancels.register(envelope.request_id, envelope.tenant, [],
                                                                           self._ttl(envelope)))
                 try:
-                    await self._enqueue(envelope)
+                    run.placement = await self._enqueue(envelope)
                 finally:
                     await registering
         except (RedisError, OSError) as exc:
@@ -291,11 +316,11 @@ class Fleet:
         metrics.SLOW_CLIENTS.inc()
         self.spawn(self.cancels.cancel_requests([request_id], "slow_client"))
 
-    async def _enqueue(self, envelope: RequestEnvelope) -> None:
+    async def _enqueue(self, envelope: RequestEnvelope) -> Placement:
         """Queue the request unless its model's queue is full (the check and the add are one script):
         in its preferred worker's stream if it has an affinity key and that worker room
         (`shared.affinity`), else in the model's stream, a tenant's request with fair share on as a
-        ticket, its envelope in the tenant's queue (`shared.fair_queue`)."""
+        ticket, its envelope in the tenant's queue (`shared.fair_queue`). Returns where it waits."""
         # The stream holds every unanswered request: those the workers' slots can run, then the queue.
         view = self.registry.models.get(envelope.model)
         slots = view.capacity if view else 0
@@ -306,7 +331,7 @@ class Fleet:
             raise InvalidRequest("The request holds an integer outside the 64-bit range, which cannot be "
                                  "served.") from exc
         if candidates := self._preferred_workers(envelope, view):
-            chosen, depth = await self._route_script(
+            chosen, depth, *entry = await self._route_script(
                 keys=affinity.route_keys(envelope.model, [keys.worker_stream(envelope.model, w.worker_id)
                                                           for w in candidates]),
                 args=affinity.route_args(depth_limit, data, int(time.time() * 1000),
@@ -315,13 +340,17 @@ class Fleet:
                 self._overloaded(envelope.model, view, depth - slots)
             metrics.AFFINITY.labels(envelope.model, ("shared", "preferred", "spilled")[min(chosen, 2)]).inc()
             if chosen > 0:
-                return
+                stream = keys.worker_stream(envelope.model, candidates[chosen - 1].worker_id)
+                return Placement(fair_queue.withdraw_keys(stream), fair_queue.withdraw_args(_text(entry[0])))
         tenant = envelope.tenant if self.settings.fair_share else ""
-        accepted, depth = await self._enqueue_script(
+        accepted, depth, *entry = await self._enqueue_script(
             keys=fair_queue.enqueue_keys(envelope.model, tenant, envelope.priority),
             args=fair_queue.enqueue_args(depth_limit, data, bool(tenant)))
         if not accepted:
             self._overloaded(envelope.model, view, depth - slots)
+        return Placement(fair_queue.withdraw_keys(keys.request_stream(envelope.model), envelope.model, tenant,
+                                                  envelope.priority),
+                         fair_queue.withdraw_args(_text(entry[0]), data if tenant else None))
 
     def _preferred_workers(self, envelope: RequestEnvelope, view: ModelView | None) -> list[WorkerInfo]:
         """The workers a request with an affinity key prefers, best first (none: no key, or affinity off)."""
@@ -348,13 +377,26 @@ class Fleet:
     async def _unregister(self, run: Run) -> None:
         try:
             if (cancel_reason := run.cancel_reason) is not None:
-                await self.cancels.cancel_requests([run.request_id], cancel_reason, run.closed_at)
+                if not await self._withdraw(run):  # a worker may have it: it drops or stops it
+                    await self.cancels.cancel_requests([run.request_id], cancel_reason, run.closed_at)
                 metrics.CANCELS.labels(cancel_reason).inc()
             if not run.unreachable:
                 await self.cancels.finish(run.request_id, cancel_groups(run.envelope), self._ttl(run.envelope))
         except (RedisError, OSError) as exc:
             log.warning("unregistering request %s failed: %s", run.request_id, exc)
         await self.limits.release(run.grant)
+
+    async def _withdraw(self, run: Run) -> bool:
+        """Take an unended request back from the queue if no worker has claimed it (one script), so
+        the model's backlog, which KEDA scales workers on, counts only requests a client waits for.
+        False: a worker has it (or may: nothing says where it was queued)."""
+        if run.placement is None or run.worker_id:
+            return False
+        return bool(await self._withdraw_script(keys=run.placement.keys, args=run.placement.args))
+
+
+def _text(entry_id: bytes | str) -> str:
+    return entry_id.decode() if isinstance(entry_id, bytes) else entry_id
 
 
 def _cancelled_before_start(envelope: RequestEnvelope) -> GenerationChunk:

@@ -49,7 +49,7 @@ def test_full_queue_is_a_429_with_retry_after(redis_url, redis_client):
 
 def test_model_whose_workers_are_gone_is_a_503_at_its_queue_timeout(redis_url, redis_client):
     """The model is still known, so its request queues for a worker to start (scale from zero),
-    then ends with a 503 at the queue timeout; the next worker drops the stale request unrun."""
+    then ends with a 503 at the queue timeout, and leaves the queue: nothing stale for the next worker."""
     model = f"gone-{uuid.uuid4().hex[:6]}"
     worker = start_worker(redis_url, model)
     gateway = start_gateway(redis_url, "--queue-timeout", "1")
@@ -63,8 +63,9 @@ def test_model_whose_workers_are_gone_is_a_503_at_its_queue_timeout(redis_url, r
         assert 1.0 <= time.monotonic() - started < 15.0
         assert response.status_code == 503
         assert response.json()["error"]["type"] == "ServiceUnavailableError"
+        wait_for(lambda: not leftover_keys(redis_client), 10, "the request to leave the queue")
         worker = start_worker(redis_url, model)
-        wait_for(lambda: not leftover_keys(redis_client), 10, "the new worker to drop the stale request")
+        assert httpx.post(f"{gateway.url}/v1/chat/completions", json=_chat(model), timeout=30).status_code == 200
     finally:
         gateway.stop()
         worker.stop()
