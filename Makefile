@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 ENGINE ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 STAMP  := $(VENV)/.installed-$(ENGINE)
 
-.PHONY: install system-deps bytecode up test test-vllm test-compose test-fast soak lint clean bench parity
+.PHONY: install system-deps bytecode up test test-processes compose-images test-vllm test-compose test-fast soak lint clean bench parity
 
 install: $(STAMP)
 
@@ -46,13 +46,14 @@ up: install
 	$(BIN)/llmfleet up
 
 # Every tier, in three passes, each printing its slowest tests:
-# 1. the in-process and multi-process tiers, on three pytest workers at once (they mostly wait);
-# 2. the vLLM tier (one test at a time: a CPU engine busies its core) beside the compose tier (its
-#    images build, then its stack's tests), each printed whole when it ends;
+# 1. the in-process and multi-process tiers, on three pytest workers at once (they mostly wait),
+#    beside the build of the compose tier's images;
+# 2. the vLLM tier (one test at a time: a CPU engine busies its core) beside the compose tier
+#    (its stack's tests, on the images built), each printed whole when it ends;
 # 3. the tests of the multi-key scripts and slots again on a 3-primary Redis Cluster
 #    (redis+cluster://, marker `cluster`): the hash-tagged keys must hold there too.
 test: install system-deps bytecode
-	$(BIN)/python -m pytest -q -n 3 --dist worksteal -m "not vllm and not compose" --durations=25
+	$(MAKE) --no-print-directory -j2 -Otarget test-processes compose-images
 	$(MAKE) --no-print-directory -j2 -Otarget test-vllm test-compose
 	LLMFLEET_TEST_REDIS=cluster $(BIN)/python -m pytest -q -n 3 --dist worksteal -m "cluster and not vllm" --durations=10
 
@@ -60,6 +61,13 @@ test: install system-deps bytecode
 # every gateway and worker a test starts would compile it again (a quarter of a second each).
 bytecode: install
 	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m compileall -q gateway worker shared bench tests llmfleet.py >/dev/null
+
+test-processes: install
+	$(BIN)/python -m pytest -q -n 3 --dist worksteal -m "not vllm and not compose" --durations=25
+
+# The compose tier's images, built beside the first pass (the tier then finds every layer cached).
+compose-images: install system-deps
+	$(BIN)/python -m tests.compose.preparation
 
 test-vllm: install
 	$(BIN)/python -m pytest -q -m vllm --durations=25
