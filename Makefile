@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 ENGINE ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 STAMP  := $(VENV)/.installed-$(ENGINE)
 
-.PHONY: install system-deps bytecode up test test-processes compose-images test-vllm test-compose test-fast soak lint clean bench parity
+.PHONY: install system-deps bytecode up test test-processes compose-images test-vllm test-compose test-cluster test-compose-cluster test-fast soak lint clean bench parity
 
 install: $(STAMP)
 
@@ -45,17 +45,22 @@ $(SYSTEM_STAMP): Makefile
 up: install
 	$(BIN)/llmfleet up
 
-# Every tier, in three passes, each printing its slowest tests:
+# Every tier, in two passes of two lanes each, every lane printing its slowest tests:
 # 1. the in-process and multi-process tiers, on three pytest workers at once (they mostly wait),
 #    beside the build of the compose tier's images;
 # 2. the vLLM tier (one test at a time: a CPU engine busies its core) beside the compose tier
-#    (its stack's tests, on the images built), each printed whole when it ends;
-# 3. the tests of the multi-key scripts and slots again on a 3-primary Redis Cluster
-#    (redis+cluster://, marker `cluster`): the hash-tagged keys must hold there too.
+#    (its stack's tests, on the images built) and then the tests of the multi-key scripts and
+#    slots again on a 3-primary Redis Cluster (redis+cluster://, marker `cluster`: the
+#    hash-tagged keys must hold there too); each printed whole when it ends.
 test: install system-deps bytecode
 	$(MAKE) --no-print-directory -j2 -Otarget test-processes compose-images
-	$(MAKE) --no-print-directory -j2 -Otarget test-vllm test-compose
-	LLMFLEET_TEST_REDIS=cluster $(BIN)/python -m pytest -q -n 3 --dist worksteal -m "cluster and not vllm" --durations=10
+	$(MAKE) --no-print-directory -j2 -Otarget test-vllm test-compose-cluster
+
+test-cluster: install
+	LLMFLEET_TEST_REDIS=cluster $(BIN)/python -m pytest -q -n 2 --dist worksteal -m "cluster and not vllm" --durations=10
+
+test-compose-cluster: test-compose
+	$(MAKE) --no-print-directory test-cluster
 
 # The project's own bytecode, once: where PYTHONDONTWRITEBYTECODE is set (as on CI machines),
 # every gateway and worker a test starts would compile it again (a quarter of a second each).
