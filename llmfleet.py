@@ -295,8 +295,11 @@ def key_usage(name: str | None, redis_url: str) -> None:
 @option("api-key", default=None, help="A key every API request must present, as `vllm serve --api-key`.")
 @option("require-keys", is_flag=True, default=False, help="Every API request needs a managed key "
         "(`llmfleet keys create`).")
+@option("embeddings", is_flag=True, default=False, help="Also serve the model as an embedding model, named "
+        "`<model>-embed` (a second worker, `--runner pooling --convert embed`): /v1/embeddings, /score, /rerank, "
+        "/pooling.")
 def up(port: int, redis_url: str, model: str | None, engine: str, metrics_port: int, api_key: str | None,
-       require_keys: bool) -> None:
+       require_keys: bool, embeddings: bool) -> None:
     """Run Redis (if none answers), a gateway and a worker here."""
     for taken, what in ((port, "--port"), (metrics_port, "--metrics-port")):
         if taken and (holder := port_holder(taken)):
@@ -321,14 +324,29 @@ def up(port: int, redis_url: str, model: str | None, engine: str, metrics_port: 
                         "--enforce-eager", "--dtype", "float32",
                         env={"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")},
                         lowest_priority=True)
+        names = [name]
+        if embeddings:
+            names.append(f"{name}-embed")
+            _spawn_encoder(stack, engine, model, names[-1], redis_url)
         base_url = f"http://127.0.0.1:{port}"
-        served = stack.wait_until_served(port, redis_url)
+        served = stack.wait_until_served(port, redis_url, names)
         click.echo(_welcome(base_url, served, metrics_port, api_key=api_key, require_keys=require_keys))
         stack.wait()
     except KeyboardInterrupt:
         pass
     finally:
         stack.stop()
+
+
+def _spawn_encoder(stack: Stack, engine: str, model: str | None, name: str, redis_url: str) -> None:
+    """`up --embeddings`'s worker: the model as an embedding model (its metrics off: the port is the other worker's)."""
+    args = ["--served-model-name", name, "--redis-url", redis_url, "--runner", "pooling", "--convert", "embed"]
+    if engine == "scripted":
+        stack.spawn("worker", "--engine", "scripted", "--model", name, *args)
+    else:
+        stack.spawn("worker", "--model", model or str(ensure_tiny_model()), *args, "--max-model-len", "2048",
+                    "--enforce-eager", "--dtype", "float32",
+                    env={"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}, lowest_priority=True)
 
 
 def port_holder(port: int) -> str | None:
@@ -473,15 +491,15 @@ class Stack:
             self.log.info("%s (pid %d) runs at the lowest CPU priority: %s", command, proc.pid, lower_priority(proc.pid))
         return proc
 
-    def wait_until_served(self, port: int, redis_url: str, timeout: float = 600) -> list[str]:
-        """The models served, once the gateway listens and a worker's heartbeat is in Redis. Asks
-        nothing of the gateway over HTTP: a readiness poll would fill its log and its request counts."""
+    def wait_until_served(self, port: int, redis_url: str, names: list[str], timeout: float = 600) -> list[str]:
+        """The models served, once the gateway listens and a heartbeat of each of `names` is in Redis.
+        Asks nothing of the gateway over HTTP: a readiness poll would fill its log and its request counts."""
         from gateway.fleet.registry import REFRESH_S
 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self._check_alive()
-            if _listens(port) and (models := served_models(redis_url)):
+            if _listens(port) and set(names) <= set(models := served_models(redis_url)):
                 time.sleep(2 * REFRESH_S)  # the gateway's registry reads the heartbeats this often
                 return models
             time.sleep(0.5)

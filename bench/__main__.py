@@ -2,13 +2,13 @@
 
 Runs, in order, each on fresh processes: gateway capacity (scripted engine), the engine path
 (`vllm bench serve` against vllm serve, llmfleet and LiteLLM), cancel latency (vLLM worker),
-fair share between tenants (scripted workers) and cache affinity (scripted, scripted with a
-bounded cache, then vLLM workers).
+fair share between tenants (scripted workers), cache affinity (scripted, scripted with a
+bounded cache, then vLLM workers) and embeddings (encoder workers against `vllm serve --runner pooling`).
 Progress goes to stderr; each part writes bench/results/NAME.json and its PNG; then
 docs/benchmarks.md is rebuilt from those results (`bench.report`).
 
     python -m bench [--quick] [--before REF] [--only gateway,engine,cancel,fairness,affinity,affinity-bounded,
-                                                     affinity-vllm]
+                                                     affinity-vllm,embeddings]
 
 `--quick` is a smoke run of a few minutes; its report goes to bench/results/benchmarks.md and
 leaves docs/ alone. `--before REF` adds llmfleet as of git revision REF to the relay
@@ -23,7 +23,7 @@ import sys
 import time
 import traceback
 
-from bench import affinity, cancel_latency, engine_path, fair_share, gateway_capacity, report
+from bench import affinity, cancel_latency, embeddings, engine_path, fair_share, gateway_capacity, report
 
 PARTS = {
     "gateway": lambda args: gateway_capacity.main(["--quick"] * args.quick + (["--before", args.before]
@@ -36,6 +36,7 @@ PARTS = {
     "affinity-bounded": lambda args: affinity.main(["--cache-blocks", str(affinity.BOUNDED_CACHE_BLOCKS),
                                                     *["--quick"] * args.quick]),
     "affinity-vllm": lambda args: affinity.main(["--engine", "vllm", *["--quick"] * args.quick]),
+    "embeddings": lambda args: embeddings.main(["--quick"] * args.quick),
 }
 
 

@@ -14,13 +14,13 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from bench import affinity, engine_path, fair_share, gateway_capacity
+from bench import affinity, embeddings, engine_path, fair_share, gateway_capacity
 from bench.common import RESULTS, ROOT
 
 DOCS = ROOT / "docs"
 NOTES = ROOT / "bench" / "notes.md"
 PLOTS = ("engine_path.png", "relay_throughput.png", "gateway_ttft.png", "gateway_streams.png", "cancel_latency.png",
-         "fair_share.png", "affinity.png", "affinity_bounded.png", "affinity_vllm.png")
+         "fair_share.png", "affinity.png", "affinity_bounded.png", "affinity_vllm.png", "embeddings.png")
 
 HEADER = """# Benchmarks
 
@@ -131,6 +131,8 @@ def render(quick: bool) -> str:
         out += fair_share.section(fairness)
     if cache := [result for name in ("affinity", "affinity_bounded", "affinity_vllm") if (result := _load(name))]:
         out += affinity.section(cache)
+    if encoders := _load("embeddings"):
+        out += embeddings.section(encoders)
     if NOTES.exists():
         out += ["", NOTES.read_text().strip()]
     return "\n".join(out) + "\n"

@@ -18,6 +18,7 @@ from gateway.api.openai import chat as openai_chat
 from gateway.api.openai import completions as openai_completions
 from gateway.api.openai import invocations as openai_invocations
 from gateway.api.openai import responses as openai_responses
+from gateway.api.pooling import routes as pooling_routes
 from gateway.fleet.runs import Fleet
 from gateway.http.accounting import CountResponses
 from gateway.http.auth import FrontDoor
@@ -26,7 +27,8 @@ from gateway.http.errors import install_error_handlers
 from gateway.settings import GatewaySettings
 
 ROUTERS = (openai_chat.router, openai_completions.router, openai_invocations.router, openai_responses.router,
-           anthropic_messages.router, streams.router, fleet_routes.router, tokenizer.router, sessions.router)
+           anthropic_messages.router, streams.router, fleet_routes.router, tokenizer.router, sessions.router,
+           pooling_routes.router)
 
 
 def create_app(settings: GatewaySettings | None = None) -> FastAPI:

@@ -26,9 +26,13 @@ class GatewaySettings:
     redis_url: str = DEFAULT_REDIS_URL
     request_timeout_s: float = setting(600.0, "Seconds before a request is abandoned (default and cap of a "
                                        "request's `timeout`).")
-    queue_timeout_s: float = setting(60.0, "Seconds a request may wait for a worker before a 503.")
+    queue_timeout_s: float = setting(60.0, "Seconds a request may wait for a worker to start it; then a 503: at "
+                                     "once (and it leaves the queue) if no worker of its model is alive, else from "
+                                     "the worker that takes it, which drops it unstarted.")
     drain_grace_s: float = setting(30.0, "On SIGTERM, seconds open requests may take to finish.")
     max_body_bytes: int = setting(4 * 1024 * 1024, "Larger request bodies get a 413.")
+    max_encoder_inputs: int = setting(2048, "Inputs one embeddings, classify or pooling request may hold, and texts "
+                                      "one score or rerank request may (OpenAI's bound on embeddings); past it a 400.")
     max_queue: int = setting(1000, "Waiting requests per model (beyond those running) before new ones get a 429.")
     max_open_requests: int = setting(20000, "Requests this gateway follows at once before a 429.")
     max_buffered_chunks: int = setting(1024, "Reply batches held for a client that stopped reading; past it "
@@ -52,7 +56,7 @@ class GatewaySettings:
     fair_share: bool = setting(True, "Serve the tenants (API keys) of one priority in turn when a model's queue is "
                                "contended; false: in arrival order.")
     affinity: bool = setting(True, "Send a long prompt's request to the worker that served its conversation (or "
-                             "prefix) before, whose cache holds it, while that worker has room (shared/affinity.py).")
+                             "prefix) before, whose cache holds it, while that worker has room (README: Cache affinity).")
     api_key: str = setting("", "A key every API request must present (Authorization: Bearer KEY, or x-api-key), "
                            "as vllm serve has it; off when empty.")
     require_keys: bool = setting(False, "Require a managed API key (llmfleet keys create) on every API request, "

@@ -4,7 +4,9 @@
     ├── InvalidRequest              400  the request can never succeed as sent
     ├── ModelNotFound               404  no worker has served this model recently
     ├── NotFound                    404  a kept thing (a stream's events) is unknown or gone
+    ├── RequestTimeout              408  the client's own `timeout` ran out before an answer it cannot cut short
     ├── Conflict                    409  a kept thing exists already, or is busy (a session's turn)
+    ├── Cancelled                   499  the client's own cancel (POST /v1/cancel) ended a request with nothing to give
     ├── Overloaded                  429  queue or in-flight limit reached; retry later
     ├── ServiceUnavailable          503  no live worker, Redis down, queue timeout, draining
     ├── WorkerLost                  502  the worker running the request vanished
@@ -67,9 +69,25 @@ class NotFound(FleetError):
     code = "not_found"
 
 
+class RequestTimeout(FleetError):
+    status = 408
+    code = "request_timeout"
+
+
 class Conflict(FleetError):
     status = 409
     code = "conflict"
+
+
+class Cancelled(FleetError):
+    """Nginx's 499 ("client closed request"), for a request its own client cancelled: no 4xx of
+    the standard says it, and no 5xx may, nothing having failed."""
+
+    status = 499
+    code = "cancelled"
+
+    def __init__(self, message: str, **kwargs):
+        super().__init__(message, **{"err_type": "Cancelled", **kwargs})
 
 
 class Overloaded(FleetError):
@@ -103,7 +121,7 @@ class EnvelopeError(FleetError):
 
 _BY_STATUS: dict[int, type[FleetError]] = {
     cls.status: cls
-    for cls in (InvalidRequest, ModelNotFound, Overloaded, ServiceUnavailable, WorkerLost, EngineError)
+    for cls in (InvalidRequest, ModelNotFound, RequestTimeout, Overloaded, ServiceUnavailable, WorkerLost, EngineError)
 }
 
 

@@ -13,6 +13,7 @@ import pytest
 import redis
 
 from shared import redis_pool
+from tests.parity.encoders import EncoderPair
 from tests.parity.harness import ParserWorkers, VllmServes
 from tests.procs import (
     Proc,
@@ -143,6 +144,15 @@ def vllm_serves(tiny_model_dir: str):
     serves.stop()
 
 
+@pytest.fixture(scope="session")
+def encoder_pair(redis_url: str, tiny_model_dir: str):
+    """The tiny model as an embedding model: llmfleet's vLLM encoder worker and `vllm serve --runner
+    pooling` with the same options (tests/parity/encoders.py), started with the session's other engines."""
+    pair = EncoderPair(redis_url, tiny_model_dir)
+    yield pair
+    pair.stop()
+
+
 MORTAL_MODEL = "tiny-mortal"  # served by the workers tests/faults/test_vllm_worker_deaths.py kills
 
 
@@ -163,7 +173,7 @@ def mortal_worker(redis_url: str, tiny_model_dir: str):
 
 # The session fixtures that start vLLM engines, and which one starts each without waiting for it.
 ENGINES = {"vllm_stack": "parser_workers", "parser_workers": "parser_workers", "vllm_serves": "vllm_serves",
-           "mortal_worker": "mortal_worker"}
+           "mortal_worker": "mortal_worker", "encoder_pair": "encoder_pair"}
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -50,10 +50,7 @@ def _gateway(scripted_fleet):
 
 
 @pytest.mark.parametrize("method, path, advice", [
-    ("POST", "/v1/embeddings", " (yet): its workers serve generation models, not pooling ones"),
     ("POST", "/v1/audio/transcriptions", " (yet): its workers serve text generation, not speech models"),
-    ("POST", "/v2/rerank", " (yet): its workers serve generation models, not pooling ones"),
-    ("POST", "/classify", " (yet): its workers serve generation models"),
     ("GET", "/ping", "; for health checks use GET /health (the process is alive) or GET /ready"),
 ])
 def test_a_path_vllm_serve_has_says_llmfleet_does_not_serve_it_and_what_it_serves(scripted_fleet, method, path,
@@ -202,6 +199,6 @@ def test_a_keyless_request_is_counted_under_its_route_and_an_unknown_path_under_
     before = counts()
     assert httpx.get(f"{url}/v1/models").status_code == 401
     assert httpx.get(f"{url}/v1/models/{SCRIPTED_MODEL}").status_code == 401
-    for path in ("/v1/no-such-thing", "/v1/embeddings"):
+    for path in ("/v1/no-such-thing", "/v1/audio/transcriptions"):
         assert httpx.post(f"{url}{path}", json={}).status_code == 401
     assert [after - then for after, then in zip(counts(), before)] == [1, 1, 2]

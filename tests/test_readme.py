@@ -4,7 +4,7 @@ The examples are read from README.md and from the banner `up` prints, so neither
 what runs: every `python` block of README, every `bash` block that starts with
 `source .venv/bin/activate`, and every command of the banner, each in a shell that has nothing of
 this test's environment but a bare PATH (a new terminal). The stack is `llmfleet up --engine
-scripted` (no vLLM; the model is still called `tiny`); the only change made to an example is the
+scripted --embeddings` (no vLLM; the models are still called `tiny` and `tiny-embed`); the only change made to an example is the
 port it names (the quick start's 8000 is this stack's free port) and, for `llmfleet keys`, the
 stack's Redis in LLMFLEET_REDIS_URL. PYTHONPATH names this checkout, which the `.venv` of a
 `make up` has installed in editable mode (here it may be another checkout's).
@@ -96,7 +96,7 @@ def start_up(*args: str, env: dict[str, str] | None = None, wait: bool = True) -
 
 @pytest.fixture(scope="module")
 def up():
-    stack = start_up()
+    stack = start_up("--embeddings")  # README's embeddings examples need `tiny-embed`
     yield stack
     stack.stop()
 

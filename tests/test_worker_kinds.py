@@ -12,13 +12,14 @@ import pytest
 
 from shared import keys
 from shared.codec import decode, encode
-from shared.envelopes import KINDS, ChunkEnvelope, RequestEnvelope, WorkerInfo
+from shared.envelopes import GENERATION_KINDS, TOKENIZER_KINDS, ChunkEnvelope, RequestEnvelope, WorkerInfo
 from tests.procs import start_gateway, start_worker, wait_for, wait_until_served
 
 
-def test_a_heartbeat_without_kinds_is_from_a_worker_that_accepts_todays_kinds():
+def test_a_heartbeat_without_kinds_is_from_a_worker_that_accepts_the_kinds_of_its_time():
+    """Older than the field, it generated and tokenized; it served no encoder kind (they came later)."""
     old = {"worker_id": "w", "model": "m", "max_model_len": 8, "capacity": 1, "v": 1}
-    assert decode(WorkerInfo, msgpack.packb(old)).kinds == list(KINDS)
+    assert decode(WorkerInfo, msgpack.packb(old)).kinds == [*GENERATION_KINDS, *TOKENIZER_KINDS]
     assert decode(WorkerInfo, msgpack.packb({**old, "kinds": ["chat"]})).kinds == ["chat"]
 
 

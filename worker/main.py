@@ -175,23 +175,39 @@ class Worker:
 
 
 def build_adapter(settings: WorkerSettings) -> Adapter:
-    """The engine the settings name, not started yet."""
+    """The engine the settings name, not started yet: a generation engine, or an encoder where the
+    settings ask for a pooling runner (or the model is a pooling model)."""
     if settings.engine == "scripted":
-        from worker.adapters.scripted import ScriptedAdapter
-
-        return ScriptedAdapter(settings.name, settings.max_model_len or 4096, settings.scripted_tokens_per_second,
-                               settings.scripted_first_token_delay, settings.scripted_prefill_per_token,
-                               settings.scripted_cache_blocks, settings.stream_interval or 1)
+        return _scripted_adapter(settings)
     from vllm import AsyncEngineArgs
 
+    engine_args = AsyncEngineArgs(model=settings.model, served_model_name=settings.name, **settings.engine_args())
+    if settings.runner == "pooling" or (settings.runner == "auto"
+                                        and engine_args.create_model_config().runner_type == "pooling"):
+        from worker.adapters.vllm_pooling import VLLMPoolingAdapter
+
+        return VLLMPoolingAdapter(engine_args, settings.name, chat_template=_read(settings.chat_template))
     from worker.adapters.vllm import VLLMAdapter
 
-    engine_args = AsyncEngineArgs(model=settings.model, served_model_name=settings.name, **settings.engine_args())
     return VLLMAdapter(engine_args, settings.name, chat_template=_read(settings.chat_template),
                        tool_call_parser=settings.tool_call_parser,
                        enable_auto_tool_choice=settings.enable_auto_tool_choice,
                        reasoning_parser=settings.reasoning_parser,
                        enable_prompt_tokens_details=settings.enable_prompt_tokens_details)
+
+
+def _scripted_adapter(settings: WorkerSettings) -> Adapter:
+    """The model-free engine: an encoder with a pooling runner (or a conversion to one), else generation."""
+    if settings.runner == "pooling" or settings.convert in ("embed", "classify"):
+        from worker.adapters.scripted_encoder import ScriptedEncoder
+
+        return ScriptedEncoder(settings.name, settings.max_model_len or 4096, settings.convert,
+                               settings.scripted_seconds_per_input)
+    from worker.adapters.scripted import ScriptedAdapter
+
+    return ScriptedAdapter(settings.name, settings.max_model_len or 4096, settings.scripted_tokens_per_second,
+                           settings.scripted_first_token_delay, settings.scripted_prefill_per_token,
+                           settings.scripted_cache_blocks, settings.stream_interval or 1)
 
 
 def _read(path: str | None) -> str | None:

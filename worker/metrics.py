@@ -32,3 +32,10 @@ PREFILL_TIME = Histogram("llmfleet_worker_time_to_first_token_seconds", "From th
                          buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
 DECODE_TIME = Histogram("llmfleet_worker_decode_seconds", "From the first generated token to the last (decode)",
                         ["model"], buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
+ENCODED_INPUTS = Counter("llmfleet_worker_encoded_inputs_total", "Inputs (or pairs scored) an encoder answered, by "
+                         "kind of request (embed, score, rerank, classify, pooling)", ["model", "kind"])
+ENCODED_TOKENS = Counter("llmfleet_worker_encoded_tokens_total", "Input tokens an encoder pooled, by kind of request",
+                         ["model", "kind"])
+ENCODE_TIME = Histogram("llmfleet_worker_encode_seconds", "From the engine taking an encoder request to its answer, "
+                        "by kind of request", ["model", "kind"],
+                        buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))

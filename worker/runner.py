@@ -3,15 +3,17 @@
 Each request runs as a task of its own (`Runner.start`). It takes the request's lease and the
 cancel stashed for it while it waited, refuses it unstarted when it must not run (cancelled,
 past its deadline or queue timeout, half-sent by a worker that died), and otherwise dispatches
-on what the engine is: a generation (`GenerationAdapter`: chat, completion) or a tokenizer
-(`TokenizerAdapter`: tokenize, detokenize). A request of a kind this worker's engine is not, or
-that `--kinds` leaves out, is answered with a clear error. Deltas go to the publisher as they
-come; the terminal chunk goes out with the acknowledgement of the request's entry.
+on what the engine is: a generation (`GenerationAdapter`: chat, completion), an encoder
+(`EncoderAdapter`: embed, score, rerank, classify, pooling) or a tokenizer (`TokenizerAdapter`:
+tokenize, detokenize). A request of a kind this worker's engine is not, or that `--kinds` leaves
+out, is answered with a clear error. Deltas go to the publisher as they come; the terminal chunk
+goes out with the acknowledgement of the request's entry.
 
-Cancels reach a running request as `cancel(request_id, cause)`: the adapter aborts it, and a
-request that ignores its abort for ABORT_GRACE_S has its task cancelled. A request whose lease may
-have lapsed (`lease_lost`) is aborted too, and nothing more is published for it, neither chunks
-nor ending nor acknowledgement: the worker that takes it over answers it.
+Cancels reach a running request as `cancel(request_id, cause)`: the adapter aborts a generation,
+and one that ignores its abort for ABORT_GRACE_S has its task cancelled; an encoding (one answer,
+nothing of it to keep) has its task cancelled at once. A request whose lease may have lapsed
+(`lease_lost`) is aborted too, and nothing more is published for it, neither chunks nor ending
+nor acknowledgement: the worker that takes it over answers it.
 
 Invariant: the terminal chunk is the last thing published for a request, exactly once, unless the
 lease was lost.
@@ -28,13 +30,22 @@ from dataclasses import dataclass, field
 from redis.exceptions import RedisError
 
 from shared import keys, tracing
+from shared.codec import MAX_ENVELOPE_BYTES
 from shared.envelopes import Candidate, GenerationChunk, RequestEnvelope, Usage
-from shared.errors import EngineError, FleetError, ServiceUnavailable, WorkerLost
+from shared.errors import EngineError, FleetError, InvalidRequest, ServiceUnavailable, WorkerLost
 from shared.logs import REQUEST_ID
 from shared.redis_batch import BatchedRedis
 from worker import metrics
 from worker.adapters.aggregate import collect_candidates
-from worker.adapters.base import GENERATION_KINDS, TOKENIZER_KINDS, Adapter, GenerationAdapter, TokenizerAdapter
+from worker.adapters.base import (
+    ENCODER_KINDS,
+    GENERATION_KINDS,
+    TOKENIZER_KINDS,
+    Adapter,
+    EncoderAdapter,
+    GenerationAdapter,
+    TokenizerAdapter,
+)
 from worker.leases import Leases
 from worker.publisher import ReplyPublisher
 
@@ -42,6 +53,7 @@ log = logging.getLogger(__name__)
 request_log = logging.getLogger("llmfleet.requests")
 
 ABORT_GRACE_S = 2.0  # how long an aborted generation may take to yield its terminal chunk
+MAX_ANSWER_BYTES = MAX_ENVELOPE_BYTES - 64 * 1024  # an encoder's vectors, with room for the rest of its reply
 
 
 class Runner:
@@ -64,6 +76,7 @@ class Runner:
         self.completed = 0  # requests answered since the worker started
         self.on_finished: Callable[[], None] = lambda: None  # a slot is free: the consumer may claim
         self._progress: dict[str, _Progress] = {}
+        self._encoding: set[str] = set()  # requests in their encoder's hands (a cancel cancels their task)
         self._background: set[asyncio.Task] = set()
 
     @property
@@ -188,6 +201,8 @@ class Runner:
         adapter = self.adapter
         if request.kind in GENERATION_KINDS and isinstance(adapter, GenerationAdapter):
             return await self._generate(adapter, request)
+        if request.kind in ENCODER_KINDS and isinstance(adapter, EncoderAdapter):
+            return await self._encode(adapter, request)
         if request.kind in TOKENIZER_KINDS and isinstance(adapter, TokenizerAdapter):
             return await self._whole(adapter.tokenize(request))
         return _error_terminal(EngineError(f"The {type(adapter).__name__} engine of `{self.model}` cannot answer "
@@ -204,14 +219,46 @@ class Runner:
             self.on_engine_failure()
             return _error_terminal(EngineError(f"the engine failed: {exc}"))
 
+    async def _encode(self, adapter: EncoderAdapter, request: RequestEnvelope) -> GenerationChunk:
+        """The encoder's answer: one terminal chunk; a cancel or the deadline cancels its task."""
+        deadline = self._deadline_alarm(request)
+        started = time.monotonic()
+        self._encoding.add(request.request_id)
+        try:
+            terminal = await self._whole(adapter.encode(request))
+        except asyncio.CancelledError:
+            if request.request_id in self.cancel_requested:
+                return _cancelled_terminal(request)
+            raise
+        finally:
+            self._encoding.discard(request.request_id)
+            if deadline is not None:
+                deadline.cancel()
+        elapsed = time.monotonic() - started
+        if (size := sum(len(output.data) for output in terminal.pooled or ())) > MAX_ANSWER_BYTES:
+            return _error_terminal(InvalidRequest(
+                f"The answer holds {size / 2**20:.1f} MiB of vectors, more than one reply may carry "
+                f"({MAX_ANSWER_BYTES / 2**20:.1f} MiB); send fewer inputs per request.", code="answer_too_large"))
+        terminal.timings = {"prefill_s": elapsed, "decode_s": 0.0}
+        if terminal.pooled is not None:
+            metrics.ENCODED_INPUTS.labels(self.model, request.kind).inc(len(terminal.pooled))
+            metrics.ENCODE_TIME.labels(self.model, request.kind).observe(elapsed)
+        if terminal.usage is not None:
+            metrics.ENCODED_TOKENS.labels(self.model, request.kind).inc(terminal.usage.prompt_tokens)
+        return terminal
+
+    def _deadline_alarm(self, request: RequestEnvelope) -> asyncio.TimerHandle | None:
+        """Cancel the request at its deadline (the client's `timeout`, or the gateway's)."""
+        if not request.deadline:
+            return None
+        delay = max(0.0, request.deadline - time.time())
+        return asyncio.get_running_loop().call_later(
+            delay, lambda: self.spawn(self.cancel(request.request_id, "deadline")))
+
     async def _generate(self, adapter: GenerationAdapter, request: RequestEnvelope) -> GenerationChunk:
         """Run the generation, publishing deltas; return the terminal chunk (not yet published)."""
         chunks = self._observe(adapter, request, adapter.generate(request))
-        deadline = None
-        if request.deadline:
-            delay = max(0.0, request.deadline - time.time())
-            deadline = asyncio.get_running_loop().call_later(
-                delay, lambda: self.spawn(self.cancel(request.request_id, "deadline")))
+        deadline = self._deadline_alarm(request)
         try:
             if not request.stream:
                 return await collect_candidates(chunks, request.choice_count)
@@ -284,6 +331,10 @@ class Runner:
             state.tokens_at_cancel = state.tokens
             state.cancel_sent_at = sent_at or time.time()
             metrics.CANCELS.labels(self.model, cause, state.phase).inc()
+        if request_id in self._encoding:  # one answer, nothing of it worth waiting for
+            metrics.CANCELS.labels(self.model, cause, "encode").inc()
+            task.cancel()
+            return
         if isinstance(self.adapter, GenerationAdapter):
             await self.adapter.abort(request_id)
         done, _ = await asyncio.wait({task}, timeout=ABORT_GRACE_S)

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 ENGINES = ("vllm", "scripted")
+RUNNERS = ("auto", "generate", "pooling")  # vllm serve's --runner (less `draft`, which serves no requests)
+CONVERTS = ("auto", "none", "embed", "classify")  # vllm serve's --convert
 
 
 def setting(default: Any, help: str, *, kind: type | None = None, engine: bool = False, **extra: Any) -> Any:
@@ -38,13 +40,20 @@ class WorkerSettings:
                                  "have nothing else queued (fair share's express lane). The engine must have room for "
                                  "them (vLLM: --max-num-seqs above --max-concurrency). 0: off.")
     kinds: tuple[str, ...] = setting((), "Comma-separated request kinds to accept (chat, completion, tokenize, "
-                                     "detokenize); default: every kind the engine answers. Gateways queue no other kind "
-                                     "for the model while no live worker accepts it.")
+                                     "detokenize; embed, score, rerank, classify, pooling of a pooling model); "
+                                     "default: every kind the engine answers. Gateways queue no other kind for the "
+                                     "model while no live worker accepts it.")
     enable_log_requests: bool = setting(False, "Log one line per request at its end (id, tenant, model, tokens, stage "
                                         "times, finish reason) on `llmfleet.requests`, as vllm serve's option.")
     # vLLM's engine, as `vllm serve` takes it.
     max_model_len: int | None = setting(None, "Context length (prompt plus output) in tokens; default: the model's.",
                                         kind=int, engine=True)
+    runner: str = setting("auto", "The kind of work, as vllm serve's option: generate (chat, completions), pooling "
+                          "(an encoder: embeddings, score, rerank, classify, pooling), or auto: the model's own.",
+                          engine=True, choices=RUNNERS)
+    convert: str = setting("auto", "Serve a model as a pooling model of another task, as vllm serve's option: embed "
+                           "(embeddings, score, rerank) or classify (classify; score and rerank with one label), none, "
+                           "or auto: the model's own.", engine=True, choices=CONVERTS)
     dtype: str = setting("auto", "Weights' and activations' type: auto, float16, bfloat16, float32.", engine=True)
     quantization: str | None = setting(None, "Quantization method of the weights (awq, gptq, fp8, ...), as vllm "
                                        "serve's option; default: from the model's config.", kind=str, engine=True)
@@ -82,6 +91,9 @@ class WorkerSettings:
     scripted_first_token_delay: float = setting(0.0, "Scripted engine: seconds before its first token.")
     scripted_prefill_per_token: float = setting(0.0, "Scripted engine: seconds of prefill per prompt token not in its "
                                                 "simulated prefix cache (0: no cache, no prefill time).")
+    scripted_seconds_per_input: float = setting(0.0, "Scripted engine with --runner pooling: seconds each input "
+                                                "costs, paid one request at a time (an engine's compute), so a worker "
+                                                "encodes at most 1/this inputs a second (0: no cost).")
     scripted_cache_blocks: int = setting(100_000, "Scripted engine: blocks of 16 tokens its simulated prefix cache "
                                          "holds (the least recently used go first), as a KV cache of that size.",
                                          minimum=1)

@@ -15,6 +15,7 @@ from gateway.fleet.registry import ModelView
 from gateway.http.auth import current_key
 from gateway.http.errors import error_body, json_response
 from shared import keys
+from shared.envelopes import KINDS
 from shared.errors import ModelNotFound, NotFound
 
 router = APIRouter()
@@ -68,9 +69,12 @@ def _visible_models(request: Request) -> dict[str, ModelView]:
 
 
 def _model_card(view: ModelView) -> dict:
+    """vLLM's model card, and what the model's live workers serve (`kinds`: chat, completion,
+    tokenize, detokenize for a generation model; embed, score, rerank, classify, pooling for an encoder)."""
+    served = {kind for w in view.workers for kind in w.kinds}
     return {"id": view.name, "object": "model", "created": int(min(w.started for w in view.workers)),
             "owned_by": "llmfleet", "root": view.name, "parent": None, "max_model_len": view.max_model_len,
-            "permission": []}
+            "permission": [], "kinds": [kind for kind in KINDS if kind in served]}
 
 
 @router.get("/fleet/load")

@@ -46,7 +46,7 @@ from redis.exceptions import RedisError
 from gateway import metrics
 from gateway.fleet.api_keys import ApiKey
 from shared import keys as redis_keys
-from shared.envelopes import GenerationChunk, RequestEnvelope
+from shared.envelopes import ENCODER_KINDS, GENERATION_KINDS, GenerationChunk, RequestEnvelope
 from shared.errors import ModelNotFound, Overloaded
 from shared.stopping import pause
 
@@ -54,7 +54,11 @@ log = logging.getLogger(__name__)
 
 FLUSH_INTERVAL_S = 0.1
 CHARS_PER_TOKEN = 4
-GENERATION_KINDS = frozenset({"chat", "completion"})
+# The kinds whose prompt is charged before the worker counts it: generations, and encodings (their inputs).
+ESTIMATED_KINDS = frozenset({*GENERATION_KINDS, *ENCODER_KINDS})
+# The fields of a body that hold its prompt: a generation's, and an encoding's inputs and pairs.
+PROMPT_FIELDS = ("messages", "prompt", "tools", "input", "query", "documents", "queries", "items", "text_1",
+                 "text_2", "data_1", "data_2")
 
 # Shared by both scripts: the current slot on the server's clock, and the live total of a window.
 _WINDOW = """
@@ -210,7 +214,7 @@ class RateLimits:
             # As OpenAI answers a model a key has no access to: a 404 that does not say it exists.
             raise ModelNotFound(f"The model `{envelope.model}` does not exist or you do not have access to it.",
                                 param="model", code="model_not_found")
-        estimate = prompt_estimate(envelope) if envelope.kind in GENERATION_KINDS else 0
+        estimate = prompt_estimate(envelope) if envelope.kind in ESTIMATED_KINDS else 0
         refused, requests, requests_reset, tokens, tokens_reset, _running = await self._admit(
             keys=[*redis_keys.rate_keys(key.name), redis_keys.usage_key(key.name)],
             args=[self.window_s, redis_keys.RATE_SLOTS, key.rpm, key.tpm, key.max_parallel, estimate,
@@ -262,9 +266,9 @@ class RateLimits:
 
 def prompt_estimate(envelope: RequestEnvelope) -> int:
     """The prompt's tokens as the gateway guesses them: a token per CHARS_PER_TOKEN characters of
-    its text (messages, prompt, tools), a token per token id."""
+    its text (messages, prompt, tools; an encoding's inputs), a token per token id."""
     body = envelope.body
-    chars = sum(_text_chars(body.get(field)) for field in ("messages", "prompt", "tools"))
+    chars = sum(_text_chars(body.get(field)) for field in PROMPT_FIELDS)
     return math.ceil(chars / CHARS_PER_TOKEN)
 
 

@@ -6,12 +6,15 @@ it is configured on the gateway (`--models`), remembered by this gateway (served
 hour), or its `model:{name}` key lives (an hour after the last heartbeat). An unknown model is a
 404. A known model with no live worker is queued like any other: its backlog is what wakes a
 worker (KEDA scales workers from zero on the request stream's length), and if none starts, the
-gateway ends the request with a 503 at its queue timeout (`Run` in fleet.py). Remembering served
+gateway ends the request with a 503 at its queue timeout and takes it back from the queue
+(`Run` and `Fleet._withdraw` in runs.py), as it does any request it gives up on before a worker
+claims it: the backlog counts only requests a client still waits for. Remembering served
 models keeps a Redis restart (which loses every key) from reading as a 404.
 
 Each heartbeat says which request kinds its worker accepts (chat, completion, tokenize,
-detokenize); while a model has live workers, a request of a kind none of them accepts is a 503 at
-once (`check_kind`), never queued.
+detokenize; embed, score, rerank, classify, pooling of an encoder); while a model has live
+workers, a request of a kind none of them accepts is refused at once (`check_kind`), never
+queued: a 400 when they do the other kind of work (embeddings of a generation model), else a 503.
 
 Each refresh also reads every known model's request stream, and the own stream of each of its
 live workers (`shared/affinity.py`), in one pipeline, for the backlog gauges and `/fleet/load`:
@@ -32,8 +35,8 @@ from redis.exceptions import RedisError, ResponseError
 from gateway import metrics
 from shared import keys
 from shared.codec import decode
-from shared.envelopes import WorkerInfo
-from shared.errors import EnvelopeError, ModelNotFound, ServiceUnavailable
+from shared.envelopes import API_NAMES, ENCODER_KINDS, WorkerInfo, work_of
+from shared.errors import EnvelopeError, InvalidRequest, ModelNotFound, ServiceUnavailable
 from shared.stopping import pause
 
 log = logging.getLogger(__name__)
@@ -181,13 +184,18 @@ class WorkerRegistry:
         return view is not None and bool(view.workers)
 
     def check_kind(self, model: str, kind: str) -> None:
-        """Refuse at once (503) a request of a kind that no live worker of `model` accepts: queued, it
-        would wait out its deadline, or be refused by whichever worker claimed it. A model with no live
-        worker at all queues every kind, as ever: the worker that starts for it may accept it."""
+        """Refuse at once (400 for the other kind of work, else 503) a request of a kind that no live
+        worker of `model` accepts: queued, it would wait out its deadline, or be refused by whichever
+        worker claimed it. A model with no live worker at all queues every kind, as ever: the worker
+        that starts for it may accept it."""
         view = self.models.get(model)
         if view is None or not view.workers or any(kind in w.kinds for w in view.workers):
             return
         accepted = sorted({k for w in view.workers for k in w.kinds})
+        # The model cannot do it: the other kind of work, or an encoder task not its own (embed of a classifier).
+        if kind in ENCODER_KINDS or not any(k in work_of(kind) for k in accepted):
+            raise InvalidRequest(f"The model `{model}` does not support the {API_NAMES.get(kind, kind)} API: it "
+                                 f"serves {', '.join(accepted)} requests.", code="kind_not_supported")
         raise ServiceUnavailable(f"No live worker of the model `{model}` accepts {kind} requests (they accept: "
                                  f"{', '.join(accepted)}).", code="kind_not_served")
 

@@ -46,6 +46,11 @@ FAMILIES = {
     "/v1/responses": ("openai", "responses"),
     "/v1/messages": ("anthropic", "messages"),
     "/v1/messages/count_tokens": ("anthropic", "count_tokens"),
+    "/v1/embeddings": ("openai", "embeddings"),
+    **dict.fromkeys(("/score", "/v1/score"), ("pooling", "score")),
+    **dict.fromkeys(("/rerank", "/v1/rerank", "/v2/rerank"), ("pooling", "rerank")),
+    "/classify": ("pooling", "classify"),
+    "/pooling": ("pooling", "pooling"),
 }
 
 _facts: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("llmfleet_request_facts")

@@ -3,7 +3,7 @@
 "Not Found" alone leaves a newcomer guessing whether the server, the path or the client is wrong.
 The usual causes each get their own answer:
 
-- a path `vllm serve` has and llmfleet does not (embeddings, rerank, audio ...): say so, and
+- a path `vllm serve` has and llmfleet does not (audio, scale-out ...): say so, and
   name what it serves;
 - /v1 twice (`/v1/v1/chat/completions`): the client's base_url already ends in /v1;
 - /v1 missing (`/chat/completions` where `/v1/chat/completions` exists): the base_url lacks it.
@@ -17,11 +17,10 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.routing import Match
 
-SERVED = ("POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, POST /v1/messages (Anthropic) "
-          "and GET /v1/models")
+SERVED = ("POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, POST /v1/messages (Anthropic), "
+          "POST /v1/embeddings, /score, /rerank, /classify and /pooling (of pooling models) and GET /v1/models")
 WHERE_LISTED = "README's Endpoints section lists them all, as does GET /openapi.json"
 
-_POOLING = " (yet): its workers serve generation models, not pooling ones (embed, classify, score, rerank)"
 _SPEECH = " (yet): its workers serve text generation, not speech models"
 _SCALE_OUT = " (yet): it is one of vllm serve's scale-out endpoints (--enable-scale-out)"
 _ENGINE_CONTROL = " (yet): engine control is the workers' business, not the gateway's"
@@ -29,8 +28,6 @@ _ENGINE_CONTROL = " (yet): engine control is the workers' business, not the gate
 # Paths `vllm serve` 0.32 has, by default or when enabled, that llmfleet does not serve, and why
 # (or what to use instead), as vllm serve 0.32 lists its routes at start-up and in its /openapi.json.
 NOT_SERVED: dict[str, str] = {
-    **dict.fromkeys(("/v1/embeddings", "/pooling", "/classify", "/score", "/v1/score", "/rerank", "/v1/rerank",
-                     "/v2/rerank"), _POOLING),
     **dict.fromkeys(("/v1/audio/transcriptions", "/v1/audio/translations", "/v1/realtime"), _SPEECH),
     **dict.fromkeys(("/v1/chat/completions/render", "/v1/completions/render", "/v1/messages/render",
                      "/v1/responses/render", "/v1/chat/completions/derender", "/v1/completions/derender",

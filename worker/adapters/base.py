@@ -15,9 +15,14 @@ never a flag threaded through the first kind's code.
     chunk is owed, but the engine request must be aborted before `aclose()` returns.
 - `TokenizerAdapter` (tokenize, detokenize): the model's tokenizer, answering `vllm serve`'s
   /tokenize and /detokenize with one terminal chunk holding the whole answer (`result`).
+- `EncoderAdapter` (embed, score, rerank, classify, pooling: the second kind of work, a pooling
+  model's): `encode(request)` answers with one terminal chunk holding a pooled output per input
+  or per pair (`pooled`, packed float32) and the inputs' tokens (`usage`). Stopping it early is
+  cancelling the task that awaits it, which must stop the engine's work for it.
 
-An engine may be several kinds (vLLM's is both); a request of a kind the worker's engine is not
-is answered with a clear error, never dropped.
+An engine may be several kinds (vLLM's generation engine is a generation and a tokenizer; its
+pooling engine an encoder and a tokenizer); a request of a kind the worker's engine is not is
+answered with a clear error, never dropped.
 """
 
 from __future__ import annotations
@@ -25,10 +30,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 
-from shared.envelopes import GenerationChunk, RequestEnvelope
+from shared.envelopes import ENCODER_KINDS, GENERATION_KINDS, TOKENIZER_KINDS, GenerationChunk, RequestEnvelope
 
-GENERATION_KINDS = ("chat", "completion")
-TOKENIZER_KINDS = ("tokenize", "detokenize")
+__all__ = ["ENCODER_KINDS", "GENERATION_KINDS", "TOKENIZER_KINDS", "Adapter", "EncoderAdapter", "GenerationAdapter",
+           "TokenizerAdapter"]
 
 
 class Adapter(ABC):  # noqa: B024 - its kinds are the abstract part; the lifetime has defaults
@@ -76,3 +81,17 @@ class TokenizerAdapter(ABC):
     @abstractmethod
     async def tokenize(self, request: RequestEnvelope) -> GenerationChunk:
         """The terminal chunk answering a tokenize or detokenize request: its `result`, or its error."""
+
+
+class EncoderAdapter(Adapter):
+    """An engine that pools its inputs (a pooling model): embeddings, scores, rankings, classes.
+
+    `kinds` are the encoder kinds this engine's model serves (an embedding model: embed, score,
+    rerank, pooling; a classifier: classify, pooling, and score and rerank with one label)."""
+
+    kinds = ENCODER_KINDS
+
+    @abstractmethod
+    async def encode(self, request: RequestEnvelope) -> GenerationChunk:
+        """The terminal chunk answering an encoder request: its `pooled` outputs in the request's
+        order and its `usage`, or its error. Cancelling the awaiting task stops the engine's work."""

@@ -1,0 +1,219 @@
+"""Embeddings: llmfleet's encoder workers against `vllm serve --runner pooling`, in one run.
+
+Two parts, each on fresh processes:
+
+- **vllm**: the tiny model as an embedding model (`--runner pooling --convert embed`, the engine
+  options of every benchmark) behind `vllm serve`, and behind llmfleet (Redis, a gateway, one
+  vLLM encoder worker), both up at once and measured workload by workload, back to back, each
+  workload `--rounds` times (the median is kept): inputs per second, request latency p50 and
+  p99, and the gateway's CPU per input (llmfleet's cost beside the engine). Workloads: 1 and 64
+  inputs per request, 1 to 64 concurrent clients.
+- **scripted**: how the fleet spreads many clients' requests over its workers, with the scripted
+  encoder given a fixed cost per input (`--scripted-seconds-per-input`): one worker, then two, the
+  same load (two CPU engines would share this machine's two cores, which measures the machine).
+
+    python -m bench.embeddings [--quick] [--rounds N] [--only vllm,scripted]
+
+Writes bench/results/embeddings.json and .png, prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.common import ENGINE_ARGS, ENGINE_ENV, RESULTS, cpu_seconds, percentile, plot_bars, progress, save
+from tests.procs import (
+    free_port,
+    spawn,
+    start_gateway,
+    start_redis,
+    start_worker,
+    wait_until_answers,
+    wait_until_served,
+)
+
+MODEL = "tiny-embed"
+POOLING = ["--runner", "pooling", "--convert", "embed"]
+WORDS = "the sea is calm tonight a tide of words rolls over stones and sand under a pale moon".split()
+SCRIPTED_COST_S = 0.002  # per input: one scripted worker encodes 500 inputs a second
+
+
+def workloads(quick: bool) -> list[dict]:
+    """(inputs per request, concurrent clients, requests) of each workload."""
+    shapes = [(1, 1), (1, 64), (64, 1), (64, 8)] if quick else [(1, 1), (1, 8), (1, 64), (64, 1), (64, 8), (64, 64)]
+    return [{"inputs": inputs, "concurrency": clients, "requests": max(16, 2 * clients) if inputs == 64
+             else max(64, 8 * clients)} for inputs, clients in shapes]
+
+
+def texts(count: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(32)) for _ in range(count)]
+
+
+async def measure(url: str, workload: dict, seed: int) -> dict:
+    """Send the workload's requests from its concurrent clients; inputs/s and latency percentiles."""
+    bodies = [{"model": MODEL, "input": texts(workload["inputs"], seed * 100_000 + i), "encoding_format": "base64"}
+              for i in range(workload["requests"])]
+    latencies: list[float] = []
+    pending = iter(bodies)
+
+    async def client(http: httpx.AsyncClient) -> None:
+        for body in pending:
+            started = time.perf_counter()
+            answer = await http.post(f"{url}/v1/embeddings", json=body)
+            answer.raise_for_status()
+            latencies.append(time.perf_counter() - started)
+
+    limits = httpx.Limits(max_connections=workload["concurrency"])
+    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+        started = time.perf_counter()
+        await asyncio.gather(*(client(http) for _ in range(workload["concurrency"])))
+        took = time.perf_counter() - started
+    return {"inputs_per_s": workload["requests"] * workload["inputs"] / took,
+            "p50_ms": percentile(latencies, 50) * 1000, "p99_ms": percentile(latencies, 99) * 1000}
+
+
+def _median(runs: list[dict]) -> dict:
+    return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+
+
+@contextlib.contextmanager
+def vllm_servers(model_dir: Path):
+    """{"vllm serve": url, "llmfleet": url} and llmfleet's gateway pid, every process stopped on exit."""
+    procs = []
+    try:
+        port = free_port()
+        serve = spawn("vllm-serve-embed", [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+                                           str(model_dir), "--served-model-name", MODEL, "--host", "127.0.0.1",
+                                           "--port", str(port), *ENGINE_ARGS, *POOLING], ENGINE_ENV)
+        serve.url = f"http://127.0.0.1:{port}"
+        procs.append(serve)
+        redis = start_redis()
+        procs.append(redis)
+        procs.append(start_worker(redis.url, str(model_dir), *ENGINE_ARGS, *POOLING, engine="vllm", served_name=MODEL,
+                                  env=ENGINE_ENV, timeout=300))
+        gateway = start_gateway(redis.url)
+        procs.append(gateway)
+        wait_until_served(gateway, MODEL, timeout=60)
+        wait_until_answers(serve, "/health", 300)
+        yield {"vllm serve": serve.url, "llmfleet": gateway.url}, gateway.pid
+    finally:
+        for proc in reversed(procs):
+            proc.stop(timeout=60)
+
+
+def run_vllm(quick: bool, rounds: int) -> list[dict]:
+    from worker.tiny_model import write_tiny_model
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        sys.stderr.write("starting vllm serve and llmfleet's encoder worker on the tiny model (about a minute)...\n")
+        with vllm_servers(write_tiny_model(Path(tmp) / "tiny")) as (urls, gateway_pid):
+            for url in urls.values():  # warm both engines up
+                asyncio.run(measure(url, {"inputs": 8, "concurrency": 4, "requests": 8}, 0))
+            cases = workloads(quick)
+            for done, workload in enumerate(cases, 1):
+                runs: dict[str, list[dict]] = {name: [] for name in urls}
+                gateway_cpu = 0.0
+                for round_ in range(rounds):  # back to back, alternating: drift hits both alike
+                    for name, url in urls.items():
+                        before = cpu_seconds(gateway_pid)
+                        runs[name].append(asyncio.run(measure(url, workload, round_)))
+                        if name == "llmfleet":
+                            gateway_cpu += cpu_seconds(gateway_pid) - before
+                inputs = rounds * workload["requests"] * workload["inputs"]
+                row = {**workload, **{name: _median(results) for name, results in runs.items()},
+                       "gateway_cpu_us_per_input": gateway_cpu / inputs * 1e6}
+                row["ratio"] = row["llmfleet"]["inputs_per_s"] / row["vllm serve"]["inputs_per_s"]
+                rows.append(row)
+                progress("embeddings (vllm)", done, len(cases))
+    return rows
+
+
+def run_scripted(quick: bool, rounds: int) -> dict:
+    """Inputs per second of one scripted encoder worker, then two, under the same load."""
+    workload = {"inputs": 64, "concurrency": 16, "requests": 32 if quick else 96}
+    result = {"seconds_per_input": SCRIPTED_COST_S, **workload}
+    for workers in (1, 2):
+        procs = []
+        try:
+            redis = start_redis()
+            procs.append(redis)
+            procs += [start_worker(redis.url, MODEL, "--runner", "pooling", "--scripted-seconds-per-input",
+                                   str(SCRIPTED_COST_S)) for _ in range(workers)]
+            gateway = start_gateway(redis.url)
+            procs.append(gateway)
+            wait_until_served(gateway, MODEL)
+            runs = [asyncio.run(measure(gateway.url, workload, seed)) for seed in range(rounds)]
+            result[f"{workers} worker{'s' * (workers > 1)}"] = _median(runs)
+        finally:
+            for proc in reversed(procs):
+                proc.stop()
+        progress("embeddings (scripted)", workers, 2)
+    result["speedup"] = result["2 workers"]["inputs_per_s"] / result["1 worker"]["inputs_per_s"]
+    return result
+
+
+def table(result: dict) -> str:
+    lines = []
+    if result.get("vllm"):
+        lines += ["| inputs/request | clients | vllm serve inputs/s | llmfleet inputs/s | ratio | p50 ms (vllm / "
+                  "llmfleet) | p99 ms (vllm / llmfleet) | gateway CPU µs/input |", "|---|---|---|---|---|---|---|---|"]
+        for row in result["vllm"]:
+            theirs, ours = row["vllm serve"], row["llmfleet"]
+            lines.append(f"| {row['inputs']} | {row['concurrency']} | {theirs['inputs_per_s']:.0f} | "
+                         f"{ours['inputs_per_s']:.0f} | {row['ratio']:.2f}x | {theirs['p50_ms']:.0f} / "
+                         f"{ours['p50_ms']:.0f} | {theirs['p99_ms']:.0f} / {ours['p99_ms']:.0f} | "
+                         f"{row['gateway_cpu_us_per_input']:.0f} |")
+    if scripted := result.get("scripted"):
+        lines += ["", f"Scripted encoder, {scripted['seconds_per_input'] * 1000:g} ms per input, "
+                      f"{scripted['concurrency']} clients of {scripted['inputs']} inputs: "
+                      f"1 worker {scripted['1 worker']['inputs_per_s']:.0f} inputs/s, 2 workers "
+                      f"{scripted['2 workers']['inputs_per_s']:.0f} inputs/s ({scripted['speedup']:.2f}x)."]
+    return "\n".join(lines)
+
+
+def section(result: dict) -> list[str]:
+    """This part's section of docs/benchmarks.md."""
+    return ["", "## Embeddings: encoder workers against `vllm serve --runner pooling`", "",
+            ("`python -m bench.embeddings`: the tiny model as an embedding model (`--runner pooling --convert embed`) "
+             "behind `vllm serve` and behind llmfleet (gateway, Redis, one vLLM encoder worker), measured back to "
+             "back, median of the rounds; base64 answers (the openai SDK's default). Gateway CPU per input is "
+             "llmfleet's own cost beside the engine."), "", table(result), "", "![embeddings](embeddings.png)"]
+
+
+def plot(result: dict) -> None:
+    if not result.get("vllm"):
+        return
+    names = ["vllm serve", "llmfleet"]
+    panels = {f"inputs/s, {row['inputs']} in x {row['concurrency']} clients": [row[name]["inputs_per_s"]
+                                                                              for name in names]
+              for row in result["vllm"]}
+    plot_bars(RESULTS / "embeddings.png", names, panels)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: fewer workloads and requests")
+    parser.add_argument("--rounds", type=int, default=3, help="measurements of each workload (the median is kept)")
+    parser.add_argument("--only", default="vllm,scripted", help="the parts to run: vllm, scripted")
+    args = parser.parse_args(argv)
+    parts = set(args.only.split(","))
+    result = {"measured_at": time.strftime("%Y-%m-%d %H:%M"), "rounds": args.rounds,
+              "vllm": run_vllm(args.quick, args.rounds) if "vllm" in parts else [],
+              "scripted": run_scripted(args.quick, args.rounds) if "scripted" in parts else None}
+    return save("embeddings", result, plot, table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""A model-free encoder: deterministic vectors from the input's words, for tests and benchmarks.
+
+The encoder beside `ScriptedAdapter` (scripted.py), as a pooling model is beside a generation
+model. A token is a word of the text (or a token id, of a token-id input); an input's vector is
+the normalised sum of its words' vectors, each a fixed pseudo-random vector drawn from the
+word's digest, so the same text always pools to the same vector and texts sharing words are
+close. What it answers follows `vllm serve` on an embedding model (`convert` "embed": embed,
+score, rerank, pooling; score is the cosine similarity of the two vectors) or on a classifier
+(`convert` "classify": classify, pooling; two classes, LABEL_0 and LABEL_1): the same pairing of
+score inputs, the same refusals with vLLM's words (an input longer than the context,
+`truncate_prompt_tokens` past it, `dimensions` a model cannot give).
+
+`seconds_per_input` gives each input a fixed cost, paid one request at a time (an engine's
+compute is shared by its requests), so a worker encodes at most 1 / seconds_per_input inputs a
+second whatever its concurrency: benchmarks of spreading one large request over workers measure
+the fleet, not this machine's cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+from typing import Any
+
+import numpy as np
+
+from shared.envelopes import GenerationChunk, Pooled, RequestEnvelope, Usage
+from shared.errors import InvalidRequest
+from worker.adapters.base import EncoderAdapter
+
+DIMENSIONS = 64
+CONVERTS = {"embed": ("embed", "score", "rerank", "pooling"), "classify": ("classify", "pooling")}
+LABELS = ("LABEL_0", "LABEL_1")
+
+
+def words_of(value: Any) -> list[str]:
+    """An input's tokens: the words of a text (of each message's text, for a conversation), or token ids."""
+    if isinstance(value, str):
+        return value.split()
+    if isinstance(value, list) and value and isinstance(value[0], dict):  # chat messages
+        return [word for message in value for word in _message_text(message).split()]
+    if isinstance(value, dict):  # a multimodal score input: its text parts
+        return [word for part in value.get("content") or () if isinstance(part, dict)
+                for word in (part.get("text") or "").split()]
+    return [str(token) for token in value or ()]
+
+
+def _message_text(message: dict) -> str:
+    content = message.get("content")
+    if isinstance(content, list):
+        return " ".join(part.get("text") or "" for part in content if isinstance(part, dict))
+    return content or ""
+
+
+def inputs_of(body: dict[str, Any]) -> list[Any]:
+    """The inputs of an embed, classify or pooling body, one per output (vLLM's reading: a string
+    or a list of token ids is one input; a list of strings or of token id lists, one each)."""
+    if body.get("messages") is not None:
+        return [body["messages"]]
+    value = body.get("input")
+    if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+        return value
+    return [value]
+
+
+def score_sides(body: dict[str, Any], kind: str) -> tuple[list[Any], list[Any]]:
+    """The two sides of a score or rerank body, each a list, checked as vLLM pairs them."""
+    if kind == "rerank":
+        first, second = body.get("query"), body.get("documents")
+    else:
+        pair = next(p for p in (("queries", "documents"), ("queries", "items"), ("data_1", "data_2"),
+                                ("text_1", "text_2")) if p[0] in body and p[1] in body)
+        first, second = body[pair[0]], body[pair[1]]
+    first = first if isinstance(first, list) else [first]
+    second = second if isinstance(second, list) else [second]
+    if len(first) > 1 and len(first) != len(second):
+        raise InvalidRequest("Input lengths must be either 1:1, 1:N or N:N")
+    if not first:
+        raise InvalidRequest("At least one text element must be given")
+    if not second:
+        raise InvalidRequest("At least one text_pair element must be given")
+    return first, second
+
+
+class ScriptedEncoder(EncoderAdapter):
+    """Embeddings, scores, rankings, classes and pooled vectors, without a model."""
+
+    engine_name = "scripted"
+
+    def __init__(self, served_model_name: str, max_model_len: int = 4096, convert: str = "embed",
+                 seconds_per_input: float = 0.0, dimensions: int = DIMENSIONS):
+        super().__init__(served_model_name, max_model_len)
+        self.kinds = CONVERTS["classify" if convert == "classify" else "embed"]
+        self.seconds_per_input = seconds_per_input
+        self.dimensions = dimensions
+        self._engine = asyncio.Lock()  # the compute its requests share
+
+    async def encode(self, request: RequestEnvelope) -> GenerationChunk:
+        body = request.body
+        if request.kind in ("score", "rerank"):
+            first, second = score_sides(body, request.kind)
+            texts = [self._tokens(words_of(item), body) for item in first + second]
+            vectors = [self._vector(tokens) for tokens in texts]
+            queries, documents = vectors[:len(first)], vectors[len(first):]
+            pairs = [(queries[0] if len(queries) == 1 else queries[i], document)
+                     for i, document in enumerate(documents)]
+            pooled = [_pooled(np.array([float(np.dot(q, d))], dtype=np.float32)) for q, d in pairs]
+        else:
+            texts = [self._tokens(words_of(item), body) for item in inputs_of(body)]
+            vectors = [self._vector(tokens) for tokens in texts]
+            if request.kind == "classify" or (request.kind == "pooling" and "classify" in self.kinds):
+                pooled = [_classes(vector) for vector in vectors]
+            else:
+                size = self._dimensions(body, request.kind)
+                pooled = [_pooled(_normalised(vector[:size])) for vector in vectors]
+        await self._pay(len(texts))
+        return GenerationChunk(done=True, finish_reason="stop", pooled=pooled,
+                               usage=Usage(prompt_tokens=sum(len(tokens) for tokens in texts)))
+
+    def _tokens(self, tokens: list[str], body: dict[str, Any]) -> list[str]:
+        """The input's tokens, truncated as asked, or a refusal of one empty or too long (vLLM's words)."""
+        if not tokens:
+            raise InvalidRequest("The decoder prompt cannot be empty")
+        limit = body.get("truncate_prompt_tokens")
+        if limit is not None:
+            limit = int(limit)  # the body as sent: 5.0 is the 5 the gateway validated
+            if limit > self.max_model_len:
+                raise InvalidRequest("truncate_prompt_tokens value is greater than max_model_len. Please request a "
+                                     "smaller truncation size.")
+            limit = self.max_model_len if limit == -1 else limit
+            tokens = tokens[-limit:] if body.get("truncation_side") == "left" else tokens[:limit]
+        if len(tokens) > self.max_model_len:
+            raise InvalidRequest(f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                                 f"prompt contains {len(tokens)} input tokens, which exceeds this limit even without "
+                                 "any output tokens. Please reduce the length of the input prompt.",
+                                 param="input_tokens")
+        return tokens
+
+    def _dimensions(self, body: dict[str, Any], kind: str) -> int:
+        """The size of the vectors asked for: a prefix of the model's, renormalised (matryoshka)."""
+        size = body.get("dimensions")
+        if size is None:
+            return self.dimensions
+        size = int(size)
+        if kind == "pooling":
+            raise InvalidRequest("dimensions is currently not supported", param="dimensions")
+        if not 1 <= size <= self.dimensions:
+            raise InvalidRequest(f"Dimensions must be between 1 and {self.dimensions}.", param="dimensions")
+        return size
+
+    def _vector(self, tokens: list[str]) -> np.ndarray:
+        total = np.zeros(self.dimensions, dtype=np.float32)
+        for token in tokens:
+            total += _token_vector(token, self.dimensions)
+        return _normalised(total)
+
+    async def _pay(self, inputs: int) -> None:
+        """The inputs' fixed cost, one request at a time; otherwise a turn of the loop."""
+        if self.seconds_per_input <= 0:
+            await asyncio.sleep(0)
+            return
+        async with self._engine:
+            await asyncio.sleep(self.seconds_per_input * inputs)
+
+
+@functools.lru_cache(maxsize=65536)
+def _token_vector(token: str, dimensions: int) -> np.ndarray:
+    """A token's fixed pseudo-random vector, drawn from its digest (kept: drawing costs more than adding)."""
+    seed = int.from_bytes(hashlib.blake2b(token.encode(), digest_size=8).digest(), "little")
+    return np.random.default_rng(seed).standard_normal(dimensions, dtype=np.float32)
+
+
+def _normalised(vector: np.ndarray) -> np.ndarray:
+    norm = float(np.linalg.norm(vector))
+    return vector / norm if norm > 0 else vector
+
+
+def _pooled(values: np.ndarray) -> Pooled:
+    return Pooled(data=values.astype("<f4").tobytes(), shape=list(values.shape))
+
+
+def _classes(vector: np.ndarray) -> Pooled:
+    logits = np.array([vector[0], -vector[0]], dtype=np.float32) * 4
+    probs = np.exp(logits - logits.max())
+    probs = (probs / probs.sum()).astype(np.float32)
+    pooled = _pooled(probs)
+    pooled.label = LABELS[int(np.argmax(probs))]
+    return pooled

@@ -1,0 +1,203 @@
+"""`VLLMPoolingAdapter`: an encoder on vLLM's `AsyncLLM` run as a pooling model (`--runner pooling`).
+
+The second kind of work beside `VLLMAdapter` (vllm.py), built the same way: the worker runs
+`vllm serve`'s own pooling handlers in-process over its engine (`ServingEmbedding`,
+`ServingScores`, `ServingClassification`, `ServingPooling`, and `ServingTokenization`), built
+as vLLM's API server builds them for the model's tasks (`init_pooling_state`). The client's body
+is validated by vLLM's request models, rendered, truncated, batched, pooled and post-processed
+(normalisation, matryoshka dimensions, cosine scores, chunked long inputs) by vLLM's own code.
+
+Only the last step differs: where vLLM's handler would build its JSON response, the worker takes
+the handler's outputs (`_InContext`) and sends them as typed `Pooled` outputs, packed float32,
+with the inputs' token count; the gateway writes the same JSON from them (gateway/api/pooling.py).
+So vectors cross Redis as bytes, and the gateway can write them as base64 or float JSON without
+a Python float per element.
+
+The kinds a worker announces are what its model serves, as `vllm serve` registers routes for it:
+embed for an embedding model; classify for a classifier; score and rerank for an embedding model
+or a classifier with one label; pooling for every pooling model; tokenize and detokenize always.
+
+Cancellation: the runner cancels the task awaiting `encode`; the handler's engine generators
+are closed with it, which aborts their engine requests (`AsyncLLM.encode`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pydantic
+import torch
+from vllm import AsyncEngineArgs
+from vllm.entrypoints.openai.models.protocol import BaseModelPath
+from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+from vllm.entrypoints.pooling.classify.protocol import ClassificationRequest
+from vllm.entrypoints.pooling.classify.serving import ServingClassification
+from vllm.entrypoints.pooling.embed.protocol import EmbeddingRequest
+from vllm.entrypoints.pooling.embed.serving import ServingEmbedding
+from vllm.entrypoints.pooling.pooling.protocol import PoolingRequest
+from vllm.entrypoints.pooling.pooling.serving import ServingPooling
+from vllm.entrypoints.pooling.scoring.protocol import RerankRequest, ScoreRequest
+from vllm.entrypoints.pooling.scoring.serving import ServingScores
+from vllm.entrypoints.pooling.typing import PoolingServeContext
+from vllm.entrypoints.pooling.utils import enable_scoring_api, get_pooling_usage
+from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
+from vllm.entrypoints.serve.tokenize.serving import ServingTokenization
+from vllm.renderers.chat_utils import ChatTemplateConfig
+from vllm.renderers.online_renderer import OnlineRenderer
+from vllm.tasks import POOLING_TASKS
+from vllm.v1.engine.async_llm import AsyncLLM
+
+from shared.envelopes import API_NAMES, GenerationChunk, Pooled, RequestEnvelope, Usage
+from shared.errors import InvalidRequest
+from worker.adapters.base import ENCODER_KINDS, TOKENIZER_KINDS, EncoderAdapter, TokenizerAdapter
+from worker.adapters.vllm import _error_chunk, _refusal
+
+_TOKENIZE = pydantic.TypeAdapter(TokenizeRequest)
+# vLLM's request model of each kind, as its routes validate the body.
+_REQUESTS: dict[str, pydantic.TypeAdapter] = {
+    "embed": pydantic.TypeAdapter(EmbeddingRequest), "score": pydantic.TypeAdapter(ScoreRequest),
+    "rerank": pydantic.TypeAdapter(RerankRequest), "classify": pydantic.TypeAdapter(ClassificationRequest),
+    "pooling": pydantic.TypeAdapter(PoolingRequest),
+}
+
+
+class _InContext:
+    """A vLLM pooling handler that ends with its outputs (the request's context) instead of its
+    JSON response: everything before the response is vLLM's own."""
+
+    def _build_response(self, ctx: PoolingServeContext) -> PoolingServeContext:
+        return ctx
+
+
+class _Embedding(_InContext, ServingEmbedding):
+    pass
+
+
+class _Scores(_InContext, ServingScores):
+    pass
+
+
+class _Classification(_InContext, ServingClassification):
+    pass
+
+
+class _Pooling(_InContext, ServingPooling):
+    pass
+
+
+class VLLMPoolingAdapter(EncoderAdapter, TokenizerAdapter):
+    """A pooling model with its tokenizer: the encoder kinds it serves, tokenize, detokenize."""
+
+    engine_name = "vllm"
+    kinds = (*ENCODER_KINDS, *TOKENIZER_KINDS)  # until `start` knows the model's
+
+    def __init__(self, engine_args: AsyncEngineArgs, served_model_name: str | None = None, *,
+                 chat_template: str | None = None):
+        super().__init__(served_model_name or engine_args.model, engine_args.max_model_len or 0)
+        self.engine_args = engine_args
+        self.chat_template = chat_template
+        self.engine: AsyncLLM | None = None
+        self._handlers: dict[str, Any] = {}
+        self._outputs: dict[str, Callable[[PoolingServeContext], tuple[list[Pooled], int]]] = {}
+
+    async def start(self) -> None:
+        """Build the engine, then `vllm serve`'s pooling handlers over it (as `init_pooling_state` does)."""
+        self.engine = engine = AsyncLLM.from_engine_args(self.engine_args)
+        config = engine.model_config
+        self.max_model_len = config.max_model_len
+        tasks = await engine.get_supported_tasks()
+        models = OpenAIServingModels(engine, [BaseModelPath(self.served_model_name, self.engine_args.model)])
+        template = ChatTemplateConfig(chat_template=self.chat_template)
+        options = {"request_logger": None, "chat_template_config": template}
+        task = config.get_pooling_task(tasks)
+        if task == "embed":
+            self._serve("embed", _Embedding(engine, models, **options), _vectors)
+        if task == "classify":
+            labels = getattr(config.hf_config, "id2label", {}) or {}
+            self._serve("classify", _Classification(engine, models, **options), lambda ctx: _classes(ctx, labels))
+        if enable_scoring_api(tasks, config):
+            scores = _Scores(engine, models, supported_tasks=tasks, **options)
+            self._serve("score", scores, lambda ctx: _scores(ctx, scores))
+            self._serve("rerank", scores, lambda ctx: _scores(ctx, scores))
+        if any(t in POOLING_TASKS for t in tasks):
+            self._serve("pooling", _Pooling(engine, models, supported_tasks=tasks, **options), _vectors)
+        self.kinds = (*(kind for kind in ENCODER_KINDS if kind in self._handlers), *TOKENIZER_KINDS)
+        renderer = OnlineRenderer(config, engine.renderer, request_logger=None, chat_template=self.chat_template,
+                                  chat_template_content_format="auto")
+        self.tokenization = ServingTokenization(models, renderer, request_logger=None,
+                                                chat_template=self.chat_template, chat_template_content_format="auto")
+
+    def _serve(self, kind: str, handler, outputs: Callable[[PoolingServeContext], tuple[list[Pooled], int]]) -> None:
+        self._handlers[kind] = handler
+        self._outputs[kind] = outputs
+
+    async def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+
+    async def check_health(self) -> None:
+        await self.engine.check_health()
+
+    @property
+    def failure(self) -> BaseException | None:
+        return self.engine.dead_error if self.engine is not None and self.engine.errored else None
+
+    async def encode(self, request: RequestEnvelope) -> GenerationChunk:
+        """`vllm serve`'s handler of the request's kind, its outputs packed for the wire."""
+        handler = self._handlers.get(request.kind)
+        if handler is None:  # a kind `--kinds` named that this model cannot serve
+            return GenerationChunk(done=True, finish_reason="error", error=InvalidRequest(
+                f"The model does not support the {API_NAMES[request.kind]} API.").to_info())
+        try:
+            body = _REQUESTS[request.kind].validate_python({**request.body, "request_id": request.request_id})
+            ctx = await handler(body)
+        except Exception as exc:  # noqa: BLE001 - `_refusal` answers what vLLM's server answers, re-raises the rest
+            return _refusal(exc)
+        if isinstance(ctx, ErrorResponse):
+            return _error_chunk(ctx)
+        pooled, tokens = self._outputs[request.kind](ctx)
+        return GenerationChunk(done=True, finish_reason="stop", pooled=pooled, usage=Usage(prompt_tokens=tokens))
+
+    async def tokenize(self, request: RequestEnvelope) -> GenerationChunk:
+        """`vllm serve`'s /tokenize or /detokenize, on this engine's tokenizer."""
+        try:
+            if request.kind == "tokenize":
+                result = await self.tokenization.create_tokenize(_TOKENIZE.validate_python(request.body), None)
+            else:
+                result = await self.tokenization.create_detokenize(DetokenizeRequest.model_validate(request.body),
+                                                                   None)
+        except Exception as exc:  # noqa: BLE001 - as in `encode`
+            return _refusal(exc)
+        if isinstance(result, ErrorResponse):
+            return _error_chunk(result)
+        return GenerationChunk(done=True, finish_reason="stop", result=result.model_dump(mode="json"))
+
+
+def _pooled(tensor: torch.Tensor, label: str | None = None) -> Pooled:
+    """A tensor as the wire carries it: float32, little-endian (exact for float32, float16 and bfloat16)."""
+    values = tensor.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
+    return Pooled(data=values.astype("<f4", copy=False).tobytes(), shape=list(values.shape), label=label)
+
+
+def _vectors(ctx: PoolingServeContext) -> tuple[list[Pooled], int]:
+    """Embeddings or pooled data, one per input, with their prompt tokens (vLLM's usage)."""
+    return ([_pooled(output.outputs.data) for output in ctx.final_res_batch],
+            get_pooling_usage(ctx.final_res_batch).prompt_tokens)
+
+
+def _classes(ctx: PoolingServeContext, labels: dict[int, str]) -> tuple[list[Pooled], int]:
+    """Class probabilities, with the label of the most probable class, as ServingClassification reads them."""
+    pooled = []
+    for output in ctx.final_res_batch:
+        probs = output.outputs.data
+        pooled.append(_pooled(probs, labels.get(int(np.argmax(probs.tolist())))))
+    return pooled, sum(len(output.prompt_token_ids) for output in ctx.final_res_batch)
+
+
+def _scores(ctx: PoolingServeContext, handler: ServingScores) -> tuple[list[Pooled], int]:
+    """A score per pair; the prompt tokens of every input the engine read, as ServingScores counts them."""
+    tokens = sum(handler._extract_prompt_len(engine_input["prompts"]) for engine_input in ctx.engine_inputs)
+    return [_pooled(output.outputs.data.reshape(1)) for output in ctx.final_res_batch], tokens
