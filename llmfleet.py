@@ -306,9 +306,11 @@ def up(port: int, redis_url: str, model: str | None, engine: str, metrics_port: 
             raise click.ClickException(f"port {taken} is in use by {holder}: stop it (a `make up` already "
                                        f"running?) or choose another with `llmfleet up {what} N`")
     stack = Stack()
-    # SIGTERM (docker stop, a supervisor) and SIGHUP (the terminal closed) stop the stack as Ctrl-C does.
+    # SIGTERM (docker stop, a supervisor) and SIGHUP (the terminal closed) stop the stack as Ctrl-C does;
+    # and Ctrl-C does even where SIGINT came ignored (a job a shell started in the background).
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         if not _redis_answers(redis_url):
             redis_url = stack.start_redis(redis_url)

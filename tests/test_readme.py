@@ -62,13 +62,15 @@ class Up:
         os.killpg(self.popen.pid, signal.SIGINT)
 
     def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.ctrl_c()
+        """Ctrl-C, then SIGTERM (each makes `up` stop its children in order), then SIGKILL."""
+        for sig, wait in ((signal.SIGINT, 60), (signal.SIGTERM, 60), (signal.SIGKILL, None)):
+            if self.popen.poll() is not None:
+                return
+            os.killpg(self.popen.pid, sig)
             try:
-                self.popen.wait(90)
+                self.popen.wait(wait)
             except subprocess.TimeoutExpired:
-                os.killpg(self.popen.pid, signal.SIGKILL)
-                self.popen.wait()
+                continue
 
 
 def start_up(*args: str, env: dict[str, str] | None = None, wait: bool = True) -> Up:

@@ -15,6 +15,7 @@ gateway/serve/life.py's.)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -44,6 +45,7 @@ from shared.stopping import stop_tasks, within
 log = logging.getLogger(__name__)
 
 DEADLINE_GRACE_S = 5.0  # past a request's deadline: the worker ends a generation then, and its ending may follow
+PLACE_GRACE_S = 2.0  # a cancelled submit waits this long for its queueing to say where it went
 REDIS_CONNECTIONS = 200  # per gateway process; the reply reader and registry hold a few of them
 REDIS_POOL_WAIT_S = 5.0  # longest wait for a free connection before the request gets a 503
 SILENCE_CHECK_S = 0.5  # how often a silent request checks its deadline and that its worker still lives
@@ -81,6 +83,7 @@ class Run:
         self.ending: asyncio.Task | None = None  # the unregistering, once the owner began it
         self.unreachable = False  # Redis failed while registering it: nothing to unregister
         self.worker_id = ""
+        self.placing = False  # handed to the queue (queued, or maybe: see placement)
         self.placement: Placement | None = None  # where it was queued, once it surely was
         self._queue_alarm: asyncio.TimerHandle | None = None
         self._next_seq = 0
@@ -286,12 +289,12 @@ class Fleet:
                 if await self.cancels.register(envelope.request_id, envelope.tenant, groups, self._ttl(envelope)):
                     run._replies.put_nowait(ChunkEnvelope(envelope.request_id, 0, [_cancelled_before_start(envelope)]))
                     return
-                run.placement = await self._enqueue(envelope)
+                await self._place(run)
             else:  # nothing can have cancelled it: register and queue in the same batch, one round trip
                 registering = asyncio.ensure_future(self.cancels.register(envelope.request_id, envelope.tenant, [],
                                                                           self._ttl(envelope)))
                 try:
-                    run.placement = await self._enqueue(envelope)
+                    await self._place(run)
                 finally:
                     await registering
         except (RedisError, OSError) as exc:
@@ -374,6 +377,19 @@ class Fleet:
     def _ttl(envelope: RequestEnvelope) -> int:
         return max(1, math.ceil(envelope.deadline - time.time())) + 5
 
+    async def _place(self, run: Run) -> None:
+        """Queue the run's request and record where. A cancel in the middle (its client gone) still
+        waits for the one round trip (up to PLACE_GRACE_S) to say where it went, so that the run's
+        end can take it back."""
+        run.placing = True
+        enqueue = asyncio.ensure_future(self._enqueue(run.envelope))
+        try:
+            run.placement = await asyncio.shield(enqueue)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                run.placement = await asyncio.wait_for(enqueue, PLACE_GRACE_S)
+            raise
+
     async def _unregister(self, run: Run) -> None:
         try:
             if (cancel_reason := run.cancel_reason) is not None:
@@ -389,7 +405,10 @@ class Fleet:
     async def _withdraw(self, run: Run) -> bool:
         """Take an unended request back from the queue if no worker has claimed it (one script), so
         the model's backlog, which KEDA scales workers on, counts only requests a client waits for.
-        False: a worker has it (or may: nothing says where it was queued)."""
+        True also for a request never handed to the queue (its submit cancelled before): nothing to
+        take back or cancel. False: a worker has it (or may: nothing says where it was queued)."""
+        if not run.placing:
+            return True
         if run.placement is None or run.worker_id:
             return False
         return bool(await self._withdraw_script(keys=run.placement.keys, args=run.placement.args))

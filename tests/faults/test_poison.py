@@ -47,7 +47,7 @@ GOOD = {"v": 1, "request_id": "0123abcd", "model": FUZZ_MODEL, "kind": "chat", "
         "arrival": 1.0, "deadline": 2.0, "stream": True, "body": {"messages": []}, "params": {"max_tokens": 4, "n": 1},
         "priority": "normal", "queue_deadline": 2.0}
 # Per field, values a typed decoder must refuse (a wrong type, out of range, unknown).
-WRONG = {"v": [2, "1", None], "request_id": [7, "", None, ["r"]], "model": [1.5, "", {}], "kind": ["embed", 3, None],
+WRONG = {"v": [2, "1", None], "request_id": [7, "", None, ["r"]], "model": [1.5, "", {}], "kind": ["transcribe", 3, None],
          "reply_to": [9, "", []], "arrival": ["soon", -1.0, None, {}], "deadline": ["later", -5, []],
          "stream": ["yes", 1, None], "body": [[1], "x", 5], "params": [[], "p", {"n": 0}, {"max_tokens": "many"},
                                                                      {"min_tokens": -1}, {"logit_bias": [1]}],
