@@ -46,20 +46,21 @@ up: install
 	$(BIN)/llmfleet up
 
 # Every tier, in two passes of two lanes each, every lane printing its slowest tests:
-# 1. the in-process and multi-process tiers, on three pytest workers at once (they mostly wait),
-#    beside the build of the compose tier's images;
-# 2. the vLLM tier (one test at a time: a CPU engine busies its core) beside the compose tier
-#    (its stack's tests, on the images built) and then the tests of the multi-key scripts and
+# 1. the in-process and multi-process tiers, on three pytest workers at once (they mostly wait);
+# 2. the vLLM tier (one test at a time: a CPU engine busies its core) beside the build of the
+#    compose tier's images, its stack's tests, and then the tests of the multi-key scripts and
 #    slots again on a 3-primary Redis Cluster (redis+cluster://, marker `cluster`: the
 #    hash-tagged keys must hold there too); each printed whole when it ends.
+# (The images built beside the first pass made its timing-sensitive tests flaky: measured.)
 test: install system-deps bytecode
-	$(MAKE) --no-print-directory -j2 -Otarget test-processes compose-images
+	$(MAKE) --no-print-directory test-processes
 	$(MAKE) --no-print-directory -j2 -Otarget test-vllm test-compose-cluster
 
 test-cluster: install
 	LLMFLEET_TEST_REDIS=cluster $(BIN)/python -m pytest -q -n 2 --dist worksteal -m "cluster and not vllm" --durations=10
 
-test-compose-cluster: test-compose
+test-compose-cluster: compose-images
+	$(MAKE) --no-print-directory test-compose
 	$(MAKE) --no-print-directory test-cluster
 
 # The project's own bytecode, once: where PYTHONDONTWRITEBYTECODE is set (as on CI machines),
@@ -70,7 +71,7 @@ bytecode: install
 test-processes: install
 	$(BIN)/python -m pytest -q -n 3 --dist worksteal -m "not vllm and not compose" --durations=25
 
-# The compose tier's images, built beside the first pass (the tier then finds every layer cached).
+# The compose tier's images, built before its tests (which then find every layer cached).
 compose-images: install system-deps
 	$(BIN)/python -m tests.compose.preparation
 

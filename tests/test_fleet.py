@@ -49,7 +49,7 @@ async def test_100_concurrent_streams_through_two_gateways(scripted_fleet, redis
               for w, before in zip(workers, served_before, strict=True)]
     assert sum(served) == 100
     assert all(count > 0 for count in served), f"one worker served nothing: {served}"
-    wait_for(lambda: not leftover_keys(redis_client), 5, "request entries to be acknowledged")
+    wait_for(lambda: not leftover_keys(redis_client), 30, "request entries to be acknowledged")
 
 
 @pytest.mark.cluster
