@@ -45,7 +45,7 @@ $(SYSTEM_STAMP): Makefile
 up: install
 	$(BIN)/llmfleet up
 
-# Every tier, in two passes of two lanes each, every lane printing its slowest tests:
+# Every tier, in two passes, each printing its slowest tests:
 # 1. the in-process and multi-process tiers, on three pytest workers at once (they mostly wait);
 # 2. the vLLM tier (one test at a time: a CPU engine busies its core) beside the build of the
 #    compose tier's images, its stack's tests, and then the tests of the multi-key scripts and
