@@ -190,17 +190,7 @@ class VLLMAdapter(GenerationAdapter, TokenizerAdapter):
 
     async def tokenize(self, request: RequestEnvelope) -> GenerationChunk:
         """`vllm serve`'s /tokenize or /detokenize, on this engine's tokenizer."""
-        try:
-            if request.kind == "tokenize":
-                result = await self.tokenization.create_tokenize(_TOKENIZE.validate_python(request.body), None)
-            else:
-                result = await self.tokenization.create_detokenize(DetokenizeRequest.model_validate(request.body),
-                                                                   None)
-        except Exception as exc:  # noqa: BLE001 - as in `_generate`
-            return _refusal(exc)
-        if isinstance(result, ErrorResponse):
-            return _error_chunk(result)
-        return GenerationChunk(done=True, finish_reason="stop", result=result.model_dump(mode="json"))
+        return await answer_tokenizer(self.tokenization, request)
 
 
 def _internal_fields(request: RequestEnvelope) -> dict[str, Any]:
@@ -209,6 +199,20 @@ def _internal_fields(request: RequestEnvelope) -> dict[str, Any]:
     if request.stream:
         fields["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
     return fields
+
+
+async def answer_tokenizer(tokenization: ServingTokenization, request: RequestEnvelope) -> GenerationChunk:
+    """`vllm serve`'s /tokenize or /detokenize on `tokenization`, as one terminal chunk (both vLLM adapters')."""
+    try:
+        if request.kind == "tokenize":
+            result = await tokenization.create_tokenize(_TOKENIZE.validate_python(request.body), None)
+        else:
+            result = await tokenization.create_detokenize(DetokenizeRequest.model_validate(request.body), None)
+    except Exception as exc:  # noqa: BLE001 - `_refusal` answers what vLLM's server answers, re-raises the rest
+        return _refusal(exc)
+    if isinstance(result, ErrorResponse):
+        return _error_chunk(result)
+    return GenerationChunk(done=True, finish_reason="stop", result=result.model_dump(mode="json"))
 
 
 def _refusal(exc: Exception) -> GenerationChunk:

@@ -43,7 +43,6 @@ from vllm.entrypoints.pooling.scoring.serving import ServingScores
 from vllm.entrypoints.pooling.typing import PoolingServeContext
 from vllm.entrypoints.pooling.utils import enable_scoring_api, get_pooling_usage
 from vllm.entrypoints.serve.engine.protocol import ErrorResponse
-from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
 from vllm.entrypoints.serve.tokenize.serving import ServingTokenization
 from vllm.renderers.chat_utils import ChatTemplateConfig
 from vllm.renderers.online_renderer import OnlineRenderer
@@ -53,9 +52,8 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from shared.envelopes import API_NAMES, GenerationChunk, Pooled, RequestEnvelope, Usage
 from shared.errors import InvalidRequest
 from worker.adapters.base import ENCODER_KINDS, TOKENIZER_KINDS, EncoderAdapter, TokenizerAdapter
-from worker.adapters.vllm import _error_chunk, _refusal
+from worker.adapters.vllm import _error_chunk, _refusal, answer_tokenizer
 
-_TOKENIZE = pydantic.TypeAdapter(TokenizeRequest)
 # vLLM's request model of each kind, as its routes validate the body.
 _REQUESTS: dict[str, pydantic.TypeAdapter] = {
     "embed": pydantic.TypeAdapter(EmbeddingRequest), "score": pydantic.TypeAdapter(ScoreRequest),
@@ -163,17 +161,7 @@ class VLLMPoolingAdapter(EncoderAdapter, TokenizerAdapter):
 
     async def tokenize(self, request: RequestEnvelope) -> GenerationChunk:
         """`vllm serve`'s /tokenize or /detokenize, on this engine's tokenizer."""
-        try:
-            if request.kind == "tokenize":
-                result = await self.tokenization.create_tokenize(_TOKENIZE.validate_python(request.body), None)
-            else:
-                result = await self.tokenization.create_detokenize(DetokenizeRequest.model_validate(request.body),
-                                                                   None)
-        except Exception as exc:  # noqa: BLE001 - as in `encode`
-            return _refusal(exc)
-        if isinstance(result, ErrorResponse):
-            return _error_chunk(result)
-        return GenerationChunk(done=True, finish_reason="stop", result=result.model_dump(mode="json"))
+        return await answer_tokenizer(self.tokenization, request)
 
 
 def _pooled(tensor: torch.Tensor, label: str | None = None) -> Pooled:
