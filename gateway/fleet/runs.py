@@ -88,6 +88,7 @@ class Run:
         self._queue_alarm: asyncio.TimerHandle | None = None
         self._next_seq = 0
         self._lease = 0  # the newest lease of the request heard from (`ChunkEnvelope.lease`)
+        self._heard_at = 0.0  # when (monotonic) its worker last sent something
 
     async def chunks(self) -> AsyncIterator[GenerationChunk]:
         """Every chunk of the request, in order, ending with its terminal chunk."""
@@ -102,6 +103,7 @@ class Run:
                 metrics.STALE_REPLIES.inc()
                 continue
             self.worker_id = envelope.worker_id
+            self._heard_at = time.monotonic()
             if envelope.seq >= 0:  # -1: an ending the gateway made itself
                 if envelope.lease > self._lease:
                     self._follow_lease(envelope.lease)
@@ -138,13 +140,20 @@ class Run:
         if time.time() >= deadline:
             self.close(reason="deadline")
             raise ServiceUnavailable("The request timed out before the model answered.", code="request_timeout")
-        if self.worker_id and not self._registry.is_live(self.worker_id):
+        if self.worker_id and not self._worker_alive():
             self.close(reason="worker_lost")
             raise WorkerLost("The worker generating this response stopped; retry the request.")
         if self._unclaimed_past_queue_deadline():
             self.close(reason="queue_timeout")
             raise ServiceUnavailable(f"No worker is serving the model `{self.envelope.model}` right now: the "
                                      "request waited for one until its queue timeout.", code="queue_timeout")
+
+    def _worker_alive(self) -> bool:
+        """Its worker's heartbeat is live, or the worker spoke within a heartbeat's TTL: a worker
+        that is sending the request's chunks lives, even when its heartbeat key is missing for a
+        moment (lost with a Redis failover or restart, until its next beat writes it again)."""
+        return (self._registry.is_live(self.worker_id)
+                or time.monotonic() - self._heard_at < keys.HEARTBEAT_TTL_S)
 
     def _unclaimed_past_queue_deadline(self) -> bool:
         """Nothing came back by the queue deadline and no worker of the model is alive (checked at

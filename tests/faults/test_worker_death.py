@@ -10,6 +10,7 @@ import uuid
 import httpx
 import pytest
 
+from shared import keys
 from tests.conftest import leftover_keys
 from tests.procs import metric_value, start_gateway, start_worker, wait_for, wait_until_served
 
@@ -121,3 +122,35 @@ def test_worker_killed_mid_stream_ends_the_stream_with_an_error(redis_url, redis
         assert metric_value(rescuer.url, "llmfleet_worker_generated_tokens_total") == 0
     finally:
         rescuer.stop()
+
+
+def test_a_worker_sending_chunks_is_alive_while_its_heartbeat_key_is_missing(redis_url, redis_client, gateway):
+    """A failover or a Redis restart loses the heartbeat key until the worker's next beat; a worker
+    that is sending a stream's chunks meanwhile lives, and the stream finishes whole."""
+    model = f"beatless-{uuid.uuid4().hex[:6]}"
+    worker = start_worker(redis_url, model, "--scripted-tokens-per-second", "10")
+    try:
+        wait_until_served(gateway, model)
+        heartbeat = next(key for key in redis_client.scan_iter(match=keys.worker_key("*"))
+                         if f"-{worker.pid}-" in key.decode())
+        erasing = threading.Event()
+
+        def erase_the_heartbeat():  # faster than the worker writes it (every second)
+            while erasing.is_set():
+                redis_client.delete(heartbeat)
+                time.sleep(0.02)
+
+        with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", json=_body(model, True, 30),
+                          timeout=30) as response:
+            lines = response.iter_lines()
+            next(lines)
+            erasing.set()
+            threading.Thread(target=erase_the_heartbeat, daemon=True).start()
+            try:
+                body = "\n".join(lines)
+            finally:
+                erasing.clear()
+        assert '"error"' not in body, body[-500:]
+        assert _stream_text(body) == " ".join(["tick", "tock"] * 15)
+    finally:
+        worker.stop()
