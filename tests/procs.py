@@ -21,6 +21,7 @@ import redis
 
 from llmfleet import find_redis_server
 from shared import redis_pool
+from tests.zygote import ZygoteChild, zygote
 
 ROOT = Path(__file__).resolve().parent.parent
 LOG_DIR = Path(os.environ.get("LLMFLEET_TEST_LOGS", "/tmp/llmfleet-test-logs"))
@@ -69,7 +70,7 @@ def wait_for(condition, timeout: float, what: str, interval: float = 0.05):
 @dataclass
 class Proc:
     name: str
-    popen: subprocess.Popen
+    popen: subprocess.Popen | ZygoteChild
     log_path: Path
     url: str = ""
     extra: dict = field(default_factory=dict)
@@ -104,11 +105,24 @@ class Proc:
 def spawn(name: str, args: list[str], env: dict[str, str] | None = None) -> Proc:
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     log_path = LOG_DIR / f"{name}-{time.time_ns()}.log"
+    if _forkable(args):  # `python -m llmfleet gateway|worker --engine scripted`: from the zygote
+        child = zygote().spawn(args[3:], {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, log_path)
+        return Proc(name, child, log_path)
     log_file = open(log_path, "wb")  # noqa: SIM115 - owned by the child process
     popen = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, cwd=ROOT,
                              env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     log_file.close()
     return Proc(name, popen, log_path)
+
+
+def _forkable(args: list[str]) -> bool:
+    """A gateway or a scripted worker (a vLLM worker's engine is another program), unless
+    LLMFLEET_TEST_ZYGOTE=0 asks for a fresh interpreter each time."""
+    if os.environ.get("LLMFLEET_TEST_ZYGOTE", "1") == "0" or args[:3] != [sys.executable, "-m", "llmfleet"]:
+        return False
+    command = args[3:4]
+    return command == ["gateway"] or (command == ["worker"] and "--engine" in args
+                                      and args[args.index("--engine") + 1] == "scripted")
 
 
 def start_redis(port: int | None = None) -> Proc:
