@@ -151,18 +151,19 @@ def connect(url: str, *, max_connections: int, wait_s: float,
     return aioredis.Redis.from_pool(pool)
 
 
-def connect_sync(url: str) -> redis.Redis | redis.RedisCluster:
-    """A plain synchronous client on the same URL, for tools and tests."""
+def connect_sync(url: str, socket_timeout: float | None = None) -> redis.Redis | redis.RedisCluster:
+    """A plain synchronous client on the same URL, for tools, tests and a worker's lease thread."""
     target = parse_url(url)
     if target.topology == "cluster":
         return redis.RedisCluster(startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in target.nodes],
-                                  username=target.username, password=target.password, socket_connect_timeout=2)
+                                  username=target.username, password=target.password, socket_connect_timeout=2,
+                                  socket_timeout=socket_timeout)
     if target.topology == "sentinel":
         sentinels = redis.sentinel.Sentinel(target.nodes, sentinel_kwargs={
             "socket_connect_timeout": 2, "socket_timeout": 2, "password": target.sentinel_password})
         return sentinels.master_for(target.service_name, db=target.db, username=target.username,
-                                    password=target.password, socket_connect_timeout=2)
-    return redis.Redis.from_url(url, socket_connect_timeout=2)
+                                    password=target.password, socket_connect_timeout=2, socket_timeout=socket_timeout)
+    return redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=socket_timeout)
 
 
 def pipelines_run_in_order(client: aioredis.Redis | RedisCluster) -> bool:

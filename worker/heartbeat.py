@@ -1,11 +1,12 @@
-"""A worker's heartbeat: what it serves and how busy it is, once a second, with its leases.
+"""A worker's heartbeat: what it serves and how busy it is, once a second.
 
 Each beat writes the worker's `WorkerInfo` (`keys.worker_key`, TTL HEARTBEAT_TTL_S: a worker
 that stops beating vanishes from every gateway's registry within it), keeps its model known
-(`keys.model_key`) and its own stream listed (`keys.affinity_streams`), renews the leases of the
-requests it runs (worker/leases.py) and reads their cancel stashes: a stash seen by two beats in
+(`keys.model_key`) and its own stream listed (`keys.affinity_streams`), and reads the cancel
+stashes of the requests it runs: a stash seen by two beats in
 a row had a second for its notice to arrive, so the notice was lost and the stash cancels the run
-(worker/cancels.py). `deregister` removes the heartbeat at the end of a stop.
+(worker/cancels.py). `deregister` removes the heartbeat at the end of a stop. The leases, and the
+heartbeat key's TTL between beats, are renewed by a thread of their own (worker/leases.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from shared.codec import encode
 from shared.envelopes import WorkerInfo
 from shared.stopping import pause, within
 from worker.cancels import CancelFollower
-from worker.leases import Leases
 
 log = logging.getLogger(__name__)
 
@@ -32,12 +32,11 @@ DEREGISTER_S = 2.0  # the last write of a stop: removing the heartbeat, which ex
 
 class Heartbeat:
     def __init__(self, redis: aioredis.Redis, model: str, worker_id: str, info: Callable[[], WorkerInfo],
-                 leases: Leases, cancels: CancelFollower):
+                 cancels: CancelFollower):
         self.redis = redis
         self.model = model
         self.worker_id = worker_id
         self.info = info  # the worker's state now
-        self.leases = leases
         self.cancels = cancels
         self.own_stream = keys.worker_stream(model, worker_id)
 
@@ -51,18 +50,16 @@ class Heartbeat:
                           {self.own_stream: (time.time() + keys.HEARTBEAT_TTL_S) * 1000})
                     .expire(keys.affinity_streams(self.model), keys.AFFINITY_STREAM_TTL_S)
                     .expire(self.own_stream, keys.AFFINITY_STREAM_TTL_S))
-            renewals = self.leases.renew(pipe)
-            sent = renewals[1]
+            sent = time.monotonic()
             try:
                 stashed = await self.cancels.stashed(pipe)
-                self.leases.renewed(renewals)
             except RedisError as exc:
                 log.warning("heartbeat failed: %s", exc)
                 stashed = {}
             self.cancels.cancel_missed({rid: cause for rid, cause in stashed.items() if rid in stashed_before})
             stashed_before = stashed
             # One beat per interval, counted from when this one was sent: a slow Redis delays the next
-            # renewal by no more than it has to, so the leases do not look lost sooner than they are.
+            # by no more than it has to.
             await pause(stopping, max(0.0, keys.HEARTBEAT_INTERVAL_S - (time.monotonic() - sent)))
 
     async def deregister(self) -> None:

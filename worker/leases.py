@@ -1,7 +1,12 @@
 """A worker's leases on the requests it runs.
 
 A running request is this worker's while it holds the request's lease (`lease:{id}`, TTL
-LEASE_TTL_S), which the heartbeat renews. A worker cut off from Redis cannot renew it: once the
+LEASE_TTL_S). A thread of its own renews the leases (`keep`), with its own connection, and keeps
+the worker's heartbeat key alive between the event loop's beats: a loop busy for seconds (vLLM's
+input processing, a first request's set-up on a loaded machine) starves neither, so a healthy
+worker does not lose its requests to a stall. A loop silent for LOOP_STALL_LIMIT_S is hung, not
+busy: the thread stops renewing and the requests go to other workers. A worker cut off from Redis
+cannot renew a lease: once the
 lease may have lapsed (another worker can then take the request over), `watch` reports the
 request lost, and the worker aborts it and publishes nothing more for it. What it had already
 put on the wire can still land when the link comes back: every chunk carries its lease's
@@ -12,10 +17,11 @@ older than one they have heard from.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 
-import redis.asyncio as aioredis
+import redis
 
 from shared import keys
 from shared.redis_batch import BatchedRedis
@@ -25,6 +31,8 @@ log = logging.getLogger(__name__)
 
 CHECK_S = 0.1  # how often leases are checked for renewals that did not come
 MARGIN_S = 0.25  # a lease counts as lost this long before Redis could let it lapse
+LOOP_STALL_LIMIT_S = 30.0  # an event loop silent this long is hung: its leases are let go
+RENEW_TIMEOUT_S = 2.0  # the renewing connection's socket timeout
 
 # KEYS[1]: a request's lease; ARGV: worker id, TTL in seconds. Takes the lease if nobody holds it and
 # returns its fencing token, Redis's clock in microseconds; 0 if it is held. A later lease of the
@@ -41,9 +49,14 @@ class Leases:
         self.worker_id = worker_id
         self._take = batched.register_script(_TAKE)
         # Request id -> when (monotonic) its lease may lapse, less MARGIN_S: the last renewal Redis
-        # confirmed was sent LEASE_TTL_S before that. Only leases still held are here.
+        # confirmed was sent LEASE_TTL_S before that. Only leases still held are here. Shared
+        # with the renewing thread, under the lock.
         self._until: dict[str, float] = {}
+        self._lock = threading.Lock()
         self.lost: set[str] = set()
+        self.loop_seen = time.monotonic()  # the event loop's last turn in `watch`
+        self._stop_keeping = threading.Event()
+        self._keeper: threading.Thread | None = None
 
     def take(self, request_id: str):
         """The awaitable that takes the lease: its fencing token, or 0 if another worker holds it."""
@@ -51,34 +64,72 @@ class Leases:
 
     def hold(self, request_id: str, asked: float) -> None:
         """The lease asked for at `asked` (monotonic) was taken."""
-        self._until[request_id] = asked + keys.LEASE_TTL_S - MARGIN_S
+        with self._lock:
+            self._until[request_id] = asked + keys.LEASE_TTL_S - MARGIN_S
 
     def forget(self, request_id: str) -> None:
         """The request has ended here."""
-        self._until.pop(request_id, None)
+        with self._lock:
+            self._until.pop(request_id, None)
         self.lost.discard(request_id)
 
-    def renew(self, pipe: aioredis.client.Pipeline) -> tuple[list[str], float]:
-        """Add the renewal of every held lease to `pipe`; pass the result to `renewed` once it ran."""
-        held = list(self._until)
-        for request_id in held:
-            pipe.expire(keys.lease_key(request_id), keys.LEASE_TTL_S)
-        return held, time.monotonic()
+    def start_keeping(self, client: redis.Redis | redis.RedisCluster, heartbeat_key: str) -> None:
+        """Renew the leases, and the heartbeat key's TTL, from a thread, once a heartbeat interval."""
+        self._keeper = threading.Thread(target=self.keep, args=(client, heartbeat_key), name="lease-keeper",
+                                        daemon=True)
+        self._keeper.start()
 
-    def renewed(self, sent: tuple[list[str], float]) -> None:
-        """Redis confirmed the renewals sent then: those leases hold until LEASE_TTL_S after it."""
-        request_ids, at = sent
-        for request_id in request_ids:
-            if request_id in self._until:  # not lost meanwhile: a late renewal revives nothing
-                self._until[request_id] = max(self._until[request_id], at + keys.LEASE_TTL_S - MARGIN_S)
+    def stop_keeping(self) -> None:
+        self._stop_keeping.set()
+        if self._keeper is not None:
+            self._keeper.join(RENEW_TIMEOUT_S)  # one renewal's socket timeout; it is a daemon thread
+
+    def keep(self, client: redis.Redis | redis.RedisCluster, heartbeat_key: str) -> None:
+        """The renewing thread's loop. One renewal per interval, counted from when the last was
+        sent: a slow Redis delays the next by no more than it has to."""
+        stalled_said = False
+        sent = time.monotonic()
+        while not self._stop_keeping.wait(max(0.0, keys.HEARTBEAT_INTERVAL_S - (time.monotonic() - sent))):
+            sent = time.monotonic()
+            silent = sent - self.loop_seen
+            if silent > LOOP_STALL_LIMIT_S:
+                if not stalled_said:
+                    log.error("the event loop has not run for %.0fs: no longer renewing leases, so other workers "
+                              "take this worker's requests", silent)
+                    stalled_said = True
+                continue
+            stalled_said = False
+            with self._lock:
+                held = list(self._until)
+            pipe = client.pipeline(transaction=False)
+            for request_id in held:
+                pipe.expire(keys.lease_key(request_id), keys.LEASE_TTL_S)
+            pipe.expire(heartbeat_key, keys.HEARTBEAT_TTL_S)
+            try:
+                pipe.execute()
+            except (redis.RedisError, OSError) as exc:
+                log.warning("renewing %d leases failed: %s", len(held), exc)
+                continue
+            self._renewed(held, sent)
+
+    def _renewed(self, request_ids: list[str], at: float) -> None:
+        """Redis confirmed the renewals sent at `at`: those leases hold until LEASE_TTL_S after it."""
+        with self._lock:
+            for request_id in request_ids:
+                if request_id in self._until:  # not lost meanwhile: a late renewal revives nothing
+                    self._until[request_id] = max(self._until[request_id], at + keys.LEASE_TTL_S - MARGIN_S)
 
     async def watch(self, stopping, on_lost: Callable[[str], None]) -> None:
         """Report each held lease that may lapse: Redis has not confirmed a renewal (this worker is
-        cut off from it, or it is down) for nearly LEASE_TTL_S."""
+        cut off from it, or it is down) for nearly LEASE_TTL_S. Each turn is also the loop's sign of
+        life for the renewing thread."""
         while not await pause(stopping, CHECK_S):
-            now = time.monotonic()
-            for request_id in [rid for rid, until in self._until.items() if now >= until]:
-                del self._until[request_id]
+            now = self.loop_seen = time.monotonic()
+            with self._lock:
+                lapsing = [rid for rid, until in self._until.items() if now >= until]
+                for request_id in lapsing:
+                    del self._until[request_id]
+            for request_id in lapsing:
                 self.lost.add(request_id)
                 log.warning("request %s: no lease renewal reached Redis for %.1fs; another worker may take it "
                             "over: aborting it here, publishing nothing more for it", request_id,

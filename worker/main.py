@@ -19,6 +19,8 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 from prometheus_client import start_http_server
+from redis import Redis as SyncRedis
+from redis import RedisCluster as SyncRedisCluster
 from redis.exceptions import RedisError, ResponseError
 
 from shared import keys, redis_pool, tracing
@@ -30,7 +32,7 @@ from worker.adapters.base import Adapter
 from worker.cancels import CancelFollower
 from worker.consumer import RequestConsumer
 from worker.heartbeat import DEREGISTER_S, Heartbeat
-from worker.leases import Leases
+from worker.leases import RENEW_TIMEOUT_S, Leases
 from worker.publisher import ReplyPublisher
 from worker.runner import ABORT_GRACE_S, Runner
 from worker.settings import WorkerSettings
@@ -45,8 +47,8 @@ DRAIN_REDIS_GRACE_S = 10.0  # a draining worker drops its replies once Redis has
 CLAIM_STOP_S = 2.0  # a claim blocks 1 s: past this, Redis hangs, and the claim is cancelled
 STOP_CANCEL_S = 2.0  # a cancelled loop that has not ended after this is left behind
 # What a stop takes at most (tests/faults/test_stops.py): each step's bound, whatever Redis does.
-STOP_BOUND_S = CLAIM_STOP_S + STOP_CANCEL_S + keys.LEASE_TTL_S + ABORT_GRACE_S + STOP_CANCEL_S + DEREGISTER_S \
-    + REDIS_CLOSE_S
+STOP_BOUND_S = CLAIM_STOP_S + STOP_CANCEL_S + keys.LEASE_TTL_S + ABORT_GRACE_S + STOP_CANCEL_S + RENEW_TIMEOUT_S \
+    + DEREGISTER_S + REDIS_CLOSE_S
 
 
 def new_worker_id() -> str:
@@ -56,7 +58,7 @@ def new_worker_id() -> str:
 
 class Worker:
     def __init__(self, redis: aioredis.Redis, adapter: Adapter, max_concurrency: int, worker_id: str | None = None,
-                 *, claim_idle_s: float = 3.0, kinds: tuple[str, ...] = (), steal_after_s: float = 0.01,
+                 *, renewals: SyncRedis | SyncRedisCluster, claim_idle_s: float = 3.0, kinds: tuple[str, ...] = (), steal_after_s: float = 0.01,
                  express_slots: int = 0, log_requests: bool = False):
         self.redis = redis
         self.adapter = adapter
@@ -70,6 +72,7 @@ class Worker:
         self.batched = BatchedRedis(redis)
         self.publisher = ReplyPublisher(redis, self.worker_id)
         self.leases = Leases(self.batched, self.worker_id)
+        self.renewals = renewals  # the lease thread's own connection
         self.runner = Runner(adapter, self.model, self.worker_id, self.kinds, self.batched, self.publisher,
                              self.leases, log_requests=log_requests, on_engine_failure=self._check_engine)
         self.consumer = RequestConsumer(redis, self.runner, self.model, self.worker_id, max_concurrency,
@@ -78,7 +81,7 @@ class Worker:
         self.cancels = CancelFollower(redis, self.model, self.runner.running, self.runner.cancel_requested,
                                       lambda rid, cause, sent_at: self.runner.spawn(self.runner.cancel(rid, cause,
                                                                                                       sent_at)))
-        self.heartbeat = Heartbeat(redis, self.model, self.worker_id, self.info, self.leases, self.cancels)
+        self.heartbeat = Heartbeat(redis, self.model, self.worker_id, self.info, self.cancels)
         self.started = time.time()
         self.fatal: BaseException | None = None  # set when the engine died
         self._stop_loops = asyncio.Event()  # the drain is over: heartbeat, cancels and leases end
@@ -108,6 +111,7 @@ class Worker:
         and deregister, each step bounded whatever Redis does. A loop that fails stops the worker:
         `run` raises its error once the rest has stopped."""
         await self._ensure_group()
+        self.leases.start_keeping(self.renewals, keys.worker_key(self.worker_id))
         jobs = [self.batched.run(), self.publisher.run(), self.heartbeat.run(self._stop_loops),
                 self.cancels.listen(self._stop_loops), self._watch_engine(),
                 self.leases.watch(self._stop_loops, self.runner.lease_lost), *self.consumer.loops()]
@@ -137,6 +141,7 @@ class Worker:
         self.publisher.stop()
         self.batched.stop()
         await stop_tasks(loops, grace_s=0, cancel_s=STOP_CANCEL_S, what="worker loops")
+        await asyncio.to_thread(self.leases.stop_keeping)
         await self.heartbeat.deregister()
 
     async def _drain(self) -> None:
@@ -207,7 +212,7 @@ def _scripted_adapter(settings: WorkerSettings) -> Adapter:
 
     return ScriptedAdapter(settings.name, settings.max_model_len or 4096, settings.scripted_tokens_per_second,
                            settings.scripted_first_token_delay, settings.scripted_prefill_per_token,
-                           settings.scripted_cache_blocks, settings.stream_interval or 1)
+                           settings.scripted_cache_blocks, settings.stream_interval or 1, settings.scripted_loop_stall)
 
 
 def _read(path: str | None) -> str | None:
@@ -224,7 +229,9 @@ async def serve(settings: WorkerSettings, adapter: Adapter | None = None) -> Non
     worker_id = new_worker_id()
     redis = redis_pool.connect(settings.redis_url, max_connections=REDIS_CONNECTIONS, wait_s=REDIS_POOL_WAIT_S,
                                client_name=worker_id)
-    worker = Worker(redis, adapter, settings.max_concurrency, worker_id, claim_idle_s=settings.claim_idle_s,
+    renewals = redis_pool.connect_sync(settings.redis_url, socket_timeout=RENEW_TIMEOUT_S)
+    worker = Worker(redis, adapter, settings.max_concurrency, worker_id, renewals=renewals,
+                    claim_idle_s=settings.claim_idle_s,
                     kinds=settings.kinds, steal_after_s=settings.steal_after_ms / 1000,
                     express_slots=settings.express_slots, log_requests=settings.enable_log_requests)
     loop = asyncio.get_running_loop()
@@ -239,6 +246,7 @@ async def serve(settings: WorkerSettings, adapter: Adapter | None = None) -> Non
             await within(REDIS_CLOSE_S, redis.aclose(), "closing the worker's Redis pool")
         except (TimeoutError, RedisError, OSError) as exc:
             log.warning("closing the Redis pool failed: %s", exc)
+        renewals.close()
         await adapter.shutdown()
     if worker.fatal is not None:
         raise SystemExit(f"worker {worker.worker_id} stopped: the engine died ({worker.fatal})")

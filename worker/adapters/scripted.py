@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 
@@ -108,11 +109,13 @@ class ScriptedAdapter(GenerationAdapter):
         prefill_per_token: float = 0.0,
         cache_blocks: int = CACHE_BLOCKS,
         stream_interval: int = 1,
+        loop_stall: float = 0.0,
     ):
         super().__init__(served_model_name, max_model_len)
         self.token_interval = 1.0 / tokens_per_second if tokens_per_second > 0 else 0.0
         self.stream_interval = stream_interval
         self.first_token_delay = first_token_delay
+        self.loop_stall = loop_stall  # seconds of blocking before each request's first token
         self.prefill_per_token = prefill_per_token
         self.cache = PrefixCache(cache_blocks) if prefill_per_token > 0 else None
         self._prefill = asyncio.Lock()
@@ -163,6 +166,8 @@ class ScriptedAdapter(GenerationAdapter):
 
     async def _run(self, prompts, max_tokens, n, stops, aborted, logprobs, kind):
         await self._pause(self.first_token_delay, aborted)
+        if self.loop_stall:
+            time.sleep(self.loop_stall)  # blocking on purpose: nothing else on the loop runs meanwhile
         choices = len(prompts) * n
         texts = [""] * choices
         finish: list[str | None] = [None] * choices
