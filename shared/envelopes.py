@@ -123,6 +123,7 @@ class RequestEnvelope(Envelope):
     tenant: str = ""
     priority: Priority = "normal"
     session_id: str = ""  # the session (gateway.sessions) whose turn this is; a cancel by it stops the turn
+    api: str = ""  # the API of the body where a kind has several ("cohere": an embed from /v2/embed); "": the kind's own
 
     @property
     def prompts(self) -> list:

@@ -125,6 +125,47 @@ def test_token_ids_dimensions_and_truncation(encoders):
     assert np.allclose(cut["data"][0]["embedding"], expected(["w0 w1 w2 w3 w4"])[0], atol=1e-6)
 
 
+def test_cohere_embed_gives_each_type_asked_for_from_the_same_vectors(encoders):
+    gateway = encoders[0]
+    texts = ["hello there", "a calm sea"]
+    answer = post(gateway, "/v2/embed", {"model": EMBED, "texts": texts,
+                                          "embedding_types": ["base64", "ubinary", "float", "binary"]}).json()
+    assert list(answer) == ["id", "embeddings", "texts", "meta", "response_type"]
+    assert answer["id"].startswith("embd-") and answer["response_type"] == "embeddings_by_type"
+    assert answer["texts"] == texts
+    assert answer["meta"] == {"api_version": {"version": "2"}, "billed_units": {"input_tokens": 5, "image_tokens": 0}}
+    embeddings = answer["embeddings"]
+    assert list(embeddings) == ["float", "binary", "ubinary", "base64"]
+    vectors = expected(texts)
+    assert np.allclose(embeddings["float"], vectors, atol=1e-6)
+    assert np.array_equal(np.array(embeddings["float"], dtype=np.float32),
+                          np.stack([np.frombuffer(base64.b64decode(b), dtype="<f4") for b in embeddings["base64"]]))
+    bits = np.packbits(np.array(embeddings["float"]) >= 0, axis=-1)  # eight dimensions a byte
+    assert embeddings["ubinary"] == bits.tolist()
+    assert embeddings["binary"] == (bits.astype(int) - 128).tolist()
+    only_float = post(gateway, "/v2/embed", {"model": EMBED, "texts": ["hi"]}).json()["embeddings"]
+    assert list(only_float) == ["float"]
+
+
+def test_cohere_embed_truncates_as_asked_and_sizes_to_the_output_dimension(encoders):
+    gateway = encoders[0]
+    words = [f"w{i}" for i in range(MAX_MODEL_LEN + 4)]
+    cases = {"END": words[:5], "START": words[-5:]}
+    for truncate, kept in cases.items():
+        answer = post(gateway, "/v2/embed", {"model": EMBED, "texts": [" ".join(words)], "truncate": truncate,
+                                              "max_tokens": 5}).json()
+        assert answer["meta"]["billed_units"]["input_tokens"] == 5, truncate
+        assert np.allclose(answer["embeddings"]["float"][0], expected([" ".join(kept)])[0], atol=1e-6), truncate
+    whole = post(gateway, "/v2/embed", {"model": EMBED, "texts": [" ".join(words)]}).json()  # END, to the context
+    assert whole["meta"]["billed_units"]["input_tokens"] == MAX_MODEL_LEN
+    too_many = post(gateway, "/v2/embed", {"model": EMBED, "texts": ["a b c"], "truncate": "NONE", "max_tokens": 2})
+    assert too_many.status_code == 400 and "exceeds max_tokens=2" in too_many.json()["error"]["message"]
+    short = post(gateway, "/v2/embed", {"model": EMBED, "texts": ["a b c"], "output_dimension": 8}).json()
+    assert np.allclose(short["embeddings"]["float"][0], expected(["a b c"], 8)[0], atol=1e-6)
+    mixed = post(gateway, "/v2/embed", {"model": EMBED, "inputs": [{"content": [{"type": "text", "text": "a b c"}]}]})
+    assert np.allclose(mixed.json()["embeddings"]["float"][0], expected(["a b c"])[0], atol=1e-6)
+
+
 def test_score_pairs_one_to_many_and_many_to_many(encoders):
     gateway = encoders[0]
     one_to_many = post(gateway, "/score", {"model": EMBED, "text_1": "red apple", "text_2": ["red apple", "blue sky"]})
@@ -197,6 +238,14 @@ def test_models_say_what_each_serves_and_the_other_work_is_a_400(encoders):
     ("/score", {"text_1": "a"}, "text_1"),
     ("/classify", {"input": []}, "at least one prompt"),
     ("/pooling", {"input": "a", "dimensions": 4}, "dimensions"),
+    ("/v2/embed", {}, "Exactly one of texts, images, or inputs"),
+    ("/v2/embed", {"texts": []}, "Exactly one of texts, images, or inputs"),
+    ("/v2/embed", {"texts": ["a"], "images": ["data:image/png;base64,AAAA"]}, "Exactly one of texts"),
+    ("/v2/embed", {"texts": ["a"], "embedding_types": ["int8"]}, "embedding_types"),
+    ("/v2/embed", {"texts": ["a"], "truncate": "MIDDLE"}, "truncate"),
+    ("/v2/embed", {"texts": ["a"], "input_type": "search_query"}, "Unsupported input_type"),
+    ("/v2/embed", {"images": ["data:image/png;base64,AAAA"]}, "image"),
+    ("/v2/embed", {"texts": ["a"] * (MAX_INPUTS + 1)}, "at most 8"),
 ])
 def test_bad_input_is_a_clear_400(encoders, path, body, words):
     response = post(encoders[0], path, {"model": EMBED if path != "/classify" else CLASSIFY, **body})

@@ -48,6 +48,7 @@ BODY_MODELS = {
     "/tokenize": "TokenizerRequest",
     "/detokenize": "TokenizerRequest",
     "/v1/embeddings": "EmbeddingRequest",
+    "/v2/embed": "CohereEmbedRequest",
     "/score": "ScoreRequest",
     "/v1/score": "ScoreRequest",
     "/rerank": "RerankRequest",
@@ -58,7 +59,7 @@ BODY_MODELS = {
 }
 # The pooling endpoints' bodies name a scripted encoder (an embedding model), the rest the generation model.
 ENCODER_MODEL = "fuzz-encoder"
-ENCODER_PATHS = ("/v1/embeddings", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/classify",
+ENCODER_PATHS = ("/v1/embeddings", "/v2/embed", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/classify",
                  "/pooling")
 
 

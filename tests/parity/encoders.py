@@ -92,6 +92,13 @@ def cases() -> list[Case]:
         Case("pooling", "/pooling", {"input": texts}),
         Case("pooling base64", "/pooling", {"input": texts[0], "encoding_format": "base64"}),
         Case("tokenize", "/tokenize", {"prompt": texts[0]}),
+        Case("cohere embed texts", "/v2/embed", {"texts": texts}),
+        Case("cohere embed every type", "/v2/embed", {"texts": texts, "embedding_types": ["float", "binary", "ubinary",
+                                                                                          "base64"]}),
+        Case("cohere embed truncated at the start", "/v2/embed", {"texts": [TOO_LONG], "truncate": "START",
+                                                                  "max_tokens": 5}),
+        Case("cohere embed truncated to the context", "/v2/embed", {"texts": [TOO_LONG]}),
+        Case("cohere embed inputs", "/v2/embed", {"inputs": [{"content": [{"type": "text", "text": texts[0]}]}]}),
     ]
     invalid = [
         Case("embed nothing", "/v1/embeddings", {"input": []}),
@@ -116,6 +123,13 @@ def cases() -> list[Case]:
         Case("rerank no query", "/rerank", {"documents": ["a"]}),
         Case("rerank negative top_n", "/rerank", {"query": "a", "documents": ["a"], "top_n": -1}),
         Case("pooling dimensions", "/pooling", {"input": "a", "dimensions": 8}),
+        Case("cohere embed nothing", "/v2/embed", {}),
+        Case("cohere embed texts and images", "/v2/embed", {"texts": ["a"], "images": ["data:image/png;base64,AA=="]}),
+        Case("cohere embed input_type", "/v2/embed", {"texts": ["a"], "input_type": "search_query"}),
+        Case("cohere embed untruncated past max_tokens", "/v2/embed", {"texts": ["a b c d"], "truncate": "NONE",
+                                                                       "max_tokens": 2}),
+        Case("cohere embed output_dimension", "/v2/embed", {"texts": ["a"], "output_dimension": 8}),
+        Case("cohere embed an unknown type", "/v2/embed", {"texts": ["a"], "embedding_types": ["int8"]}),
     ]
     return [Case(c.name, c.path, {"model": MODEL, **c.body}) for c in valid + invalid]
 
@@ -135,8 +149,8 @@ def differences(expected: Any, actual: Any, where: str = "$", dtype: str = "<f4"
     if isinstance(expected, float) or isinstance(actual, float):
         close = isinstance(actual, (int, float)) and abs(expected - actual) <= TOLERANCE
         return [] if close else [f"{where}: {expected!r} != {actual!r}"]
-    if isinstance(expected, str) and isinstance(actual, str) and where.endswith(("embedding", ".data")) \
-            and expected != actual:
+    if isinstance(expected, str) and isinstance(actual, str) and expected != actual \
+            and (where.endswith(("embedding", ".data")) or ".base64[" in where):
         return _vector_differences(expected, actual, where, dtype)
     return [] if expected == actual else [f"{where}: {expected!r} != {actual!r}"]
 

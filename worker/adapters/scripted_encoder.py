@@ -64,6 +64,29 @@ def inputs_of(body: dict[str, Any]) -> list[Any]:
     return [value]
 
 
+def _cohere_as_vllm_reads_it(body: dict[str, Any]) -> dict[str, Any]:
+    """A /v2/embed body as the embed body vLLM makes of it for a text model without task
+    instructions: its texts (or the text of its inputs), truncated per `truncate` and `max_tokens`,
+    at `output_dimension`; an `input_type` or an image is refused in vLLM's words."""
+    if body.get("input_type") is not None:
+        raise InvalidRequest(f"Unsupported input_type {body['input_type']!r}. This model does not define any "
+                             "input_type task instructions.")
+    parts = [part for item in body.get("inputs") or () for part in item.get("content") or ()]
+    if body.get("images") is not None or any(part.get("type") == "image_url" for part in parts):
+        raise InvalidRequest("This model does not support image inputs.")
+    texts = body.get("texts")
+    if texts is None:
+        texts = [" ".join(part.get("text") or "" for part in item.get("content") or ()) for item in body["inputs"]]
+    vllm_body: dict[str, Any] = {"input": texts, "dimensions": body.get("output_dimension")}
+    most, truncate = body.get("max_tokens"), body.get("truncate", "END")
+    if truncate == "NONE":
+        vllm_body["max_tokens_untruncated"] = most
+    else:
+        vllm_body["truncate_prompt_tokens"] = most if most is not None else -1
+        vllm_body["truncation_side"] = "left" if truncate == "START" else None
+    return vllm_body
+
+
 def score_sides(body: dict[str, Any], kind: str) -> tuple[list[Any], list[Any]]:
     """The two sides of a score or rerank body, each a list, checked as vLLM pairs them."""
     if kind == "rerank":
@@ -97,7 +120,7 @@ class ScriptedEncoder(EncoderAdapter):
         self._engine = asyncio.Lock()  # the compute its requests share
 
     async def encode(self, request: RequestEnvelope) -> GenerationChunk:
-        body = request.body
+        body = _cohere_as_vllm_reads_it(request.body) if request.api == "cohere" else request.body
         if request.kind in ("score", "rerank"):
             first, second = score_sides(body, request.kind)
             texts = [self._tokens(words_of(item), body) for item in first + second]
@@ -108,6 +131,11 @@ class ScriptedEncoder(EncoderAdapter):
             pooled = [_pooled(np.array([float(np.dot(q, d))], dtype=np.float32)) for q, d in pairs]
         else:
             texts = [self._tokens(words_of(item), body) for item in inputs_of(body)]
+            if (most := body.get("max_tokens_untruncated")) is not None:
+                for tokens in texts:
+                    if len(tokens) > most:
+                        raise InvalidRequest(f"Input of {len(tokens)} tokens exceeds max_tokens={most} with "
+                                             "truncate=NONE. Set truncate to END or START to allow truncation.")
             vectors = [self._vector(tokens) for tokens in texts]
             if request.kind == "classify" or (request.kind == "pooling" and "classify" in self.kinds):
                 pooled = [_classes(vector) for vector in vectors]

@@ -34,7 +34,7 @@ from vllm.entrypoints.openai.models.protocol import BaseModelPath
 from vllm.entrypoints.openai.models.serving import OpenAIServingModels
 from vllm.entrypoints.pooling.classify.protocol import ClassificationRequest
 from vllm.entrypoints.pooling.classify.serving import ServingClassification
-from vllm.entrypoints.pooling.embed.protocol import EmbeddingRequest
+from vllm.entrypoints.pooling.embed.protocol import CohereEmbedRequest, EmbeddingRequest
 from vllm.entrypoints.pooling.embed.serving import ServingEmbedding
 from vllm.entrypoints.pooling.pooling.protocol import PoolingRequest
 from vllm.entrypoints.pooling.pooling.serving import ServingPooling
@@ -60,6 +60,9 @@ _REQUESTS: dict[str, pydantic.TypeAdapter] = {
     "rerank": pydantic.TypeAdapter(RerankRequest), "classify": pydantic.TypeAdapter(ClassificationRequest),
     "pooling": pydantic.TypeAdapter(PoolingRequest),
 }
+# Where a kind's body may be another API's (`RequestEnvelope.api`): an embed from Cohere's /v2/embed,
+# which vLLM's embedding handler reads as Cohere's (its prompts, truncation and input types).
+_OTHER_APIS: dict[tuple[str, str], pydantic.TypeAdapter] = {("embed", "cohere"): pydantic.TypeAdapter(CohereEmbedRequest)}
 
 
 class _InContext:
@@ -150,7 +153,8 @@ class VLLMPoolingAdapter(EncoderAdapter, TokenizerAdapter):
             return GenerationChunk(done=True, finish_reason="error", error=InvalidRequest(
                 f"The model does not support the {API_NAMES[request.kind]} API.").to_info())
         try:
-            body = _REQUESTS[request.kind].validate_python({**request.body, "request_id": request.request_id})
+            model = _OTHER_APIS[request.kind, request.api] if request.api else _REQUESTS[request.kind]
+            body = model.validate_python({**request.body, "request_id": request.request_id})
             ctx = await handler(body)
         except Exception as exc:  # noqa: BLE001 - `_refusal` answers what vLLM's server answers, re-raises the rest
             return _refusal(exc)

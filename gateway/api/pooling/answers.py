@@ -23,8 +23,9 @@ import numpy as np
 import orjson
 from starlette.responses import Response
 
-from gateway.api.pooling.protocol import EncodingOptions, RerankRequest, side
+from gateway.api.pooling.protocol import CohereEmbedRequest, EncodingOptions, RerankRequest, side
 from shared.envelopes import GenerationChunk, Pooled
+from shared.errors import InvalidRequest
 
 _NUMPY = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS  # vLLM's ORJSONResponse's options
 _LITTLE = sys.byteorder == "little"
@@ -154,3 +155,45 @@ def rerank(terminal: GenerationChunk, request_id: str, model: str, body: RerankR
     tokens = _tokens(terminal)
     return json_response({"id": f"score-{request_id}", "model": model,
                           "usage": {"prompt_tokens": tokens, "total_tokens": tokens}, "results": results})
+
+
+COHERE_TYPES = ("float", "binary", "ubinary", "base64")  # in the order vLLM's response model writes them
+
+
+def cohere_embed(terminal: GenerationChunk, request_id: str, body: CohereEmbedRequest) -> Response:
+    """POST /v2/embed's answer: the vectors in each of Cohere's types asked for, the texts echoed,
+    the tokens billed, as vLLM writes them (`CohereEmbedResponse`, without its empty fields)."""
+    outputs = terminal.pooled or []
+    asked = set(body.embedding_types or ["float"])
+    embeddings: dict[str, Any] = {}
+    for kind in (kind for kind in COHERE_TYPES if kind in asked):
+        if kind == "float":
+            embeddings[kind] = [values(pooled).tolist() for pooled in outputs]
+        elif kind == "base64":  # little-endian float32: the bytes as they came over the wire
+            embeddings[kind] = [base64.b64encode(pooled.data).decode() for pooled in outputs]
+        else:
+            embeddings[kind] = _packed_bits(outputs, signed=kind == "binary")
+    tokens = _tokens(terminal)
+    images = body.images is not None or any(part.get("type") == "image_url" for item in body.inputs or ()
+                                            for part in item.get("content") or ())
+    image_tokens = tokens if images else 0
+    answer: dict[str, Any] = {"id": f"embd-{request_id}", "embeddings": embeddings}
+    if body.texts is not None:
+        answer["texts"] = body.texts
+    answer["meta"] = {"api_version": {"version": "2"},
+                      "billed_units": {"input_tokens": tokens - image_tokens, "image_tokens": image_tokens}}
+    answer["response_type"] = "embeddings_by_type"
+    return json_response(answer)
+
+
+def _packed_bits(outputs: list[Pooled], signed: bool) -> list[list[int]]:
+    """Cohere's binary types: one bit per dimension (1 for >= 0), eight to a byte, the most
+    significant first; `binary` as signed bytes, `ubinary` unsigned (vLLM's `_pack_binary_embeddings`)."""
+    if not outputs:
+        return []
+    array = np.stack([values(pooled) for pooled in outputs])
+    if array.shape[1] % 8:
+        raise InvalidRequest("Embedding dimension must be a multiple of 8 for binary embedding types, but got "
+                             f"{array.shape[1]}.")
+    packed = np.packbits(array >= 0, axis=-1)
+    return (packed.astype(np.int16) - 128 if signed else packed).tolist()

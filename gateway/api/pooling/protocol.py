@@ -59,7 +59,7 @@ class EncoderRequest(OpenAIModel):
         return False
 
     @property
-    def inputs(self) -> int:
+    def pooled_inputs(self) -> int:
         """The texts the engine pools for this request (the operator's bound counts them)."""
         raise NotImplementedError
 
@@ -83,7 +83,7 @@ class InputRequest(EncoderRequest):
         return self
 
     @property
-    def inputs(self) -> int:
+    def pooled_inputs(self) -> int:
         return 1 if self.messages is not None else input_count(self.input)
 
 
@@ -166,7 +166,7 @@ class ScoreRequest(ScoringRequest):
         return None, None
 
     @property
-    def inputs(self) -> int:
+    def pooled_inputs(self) -> int:
         first, second = self.sides
         return len(side(first)) + len(side(second))
 
@@ -184,7 +184,7 @@ class RerankRequest(ScoringRequest):
         return self
 
     @property
-    def inputs(self) -> int:
+    def pooled_inputs(self) -> int:
         return 1 + len(side(self.documents))
 
 
@@ -196,3 +196,41 @@ def _check_pairing(first: list, second: list) -> None:
         raise FieldRuleError("At least one text element must be given")
     if not second:
         raise FieldRuleError("At least one text_pair element must be given")
+
+
+CohereEmbeddingType = Literal["float", "binary", "ubinary", "base64"]
+
+
+class CohereEmbedRequest(OpenAIModel):
+    """POST /v2/embed: Cohere's embed API, as `vllm serve` has it for an embedding model (texts,
+    images or mixed inputs; the vectors in one or more of Cohere's types). The worker hands the
+    body to vLLM's own handler, which reads it as Cohere's (`RequestEnvelope.api`)."""
+
+    model: str | None = None
+    input_type: str | None = None  # a task instruction the model defines, or refused by the worker
+    texts: list[str] | None = None
+    images: list[str] | None = None
+    inputs: list[dict[str, Any]] | None = None
+    output_dimension: int | None = None
+    embedding_types: list[CohereEmbeddingType] | None = None
+    truncate: Literal["NONE", "START", "END"] = "END"
+    max_tokens: int | None = None
+    priority: int = Field(default=0, ge=-(2**63), le=2**63 - 1)
+    cancel_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None  # as a generation's
+    timeout: Annotated[float, Field(gt=0)] | None = None  # seconds; capped by the gateway's limit
+
+    @model_validator(mode="after")
+    def _one_kind_of_input(self):
+        given = [field for field in (self.texts, self.images, self.inputs) if field is not None]
+        if len(given) != 1 or not given[0]:
+            raise FieldRuleError("Exactly one of texts, images, or inputs must be provided, and it must be non-empty",
+                                 param="texts", err_type="Bad Request")
+        return self
+
+    @property
+    def stream(self) -> bool:
+        return False
+
+    @property
+    def pooled_inputs(self) -> int:
+        return len(self.texts or self.images or self.inputs or ())

@@ -1,7 +1,7 @@
 """The pooling endpoints, as `vllm serve` has them for a pooling model, served by the model's encoder workers.
 
-POST /v1/embeddings, /score (and /v1/score), /rerank (and /v1/rerank, /v2/rerank), /classify and
-/pooling: parse, bound the inputs, queue for the model's workers (`serve_encoding`), write the
+POST /v1/embeddings (and Cohere's /v2/embed), /score (and /v1/score), /rerank (and /v1/rerank,
+/v2/rerank), /classify and /pooling: parse, bound the inputs, queue for the model's workers (`serve_encoding`), write the
 answer (answers.py). A model whose workers serve no such kind (a generation model asked for
 embeddings) is refused before the queue, with a 400 naming what it serves.
 """
@@ -16,6 +16,7 @@ from starlette.responses import Response
 from gateway.api.pooling import answers
 from gateway.api.pooling.protocol import (
     ClassifyRequest,
+    CohereEmbedRequest,
     EmbeddingRequest,
     EncoderRequest,
     PoolingRequest,
@@ -32,15 +33,17 @@ router = APIRouter()
 Write = Callable[[GenerationChunk, RequestEnvelope], Response]
 
 
-async def _serve(kind: str, endpoint: str, body: EncoderRequest, request: Request, write: Write) -> Response:
+async def _serve(kind: str, endpoint: str, body: EncoderRequest | CohereEmbedRequest, request: Request, write: Write,
+                 api: str = "") -> Response:
     fleet = request.app.state.fleet
     limit = fleet.settings.max_encoder_inputs
-    if body.inputs > limit:
-        raise InvalidRequest(f"The request holds {body.inputs} inputs; one request may hold at most {limit} here "
+    if body.pooled_inputs > limit:
+        raise InvalidRequest(f"The request holds {body.pooled_inputs} inputs; one request may hold at most {limit} here "
                              "(--max-encoder-inputs). Send them in several requests.", param="input",
                              code="too_many_inputs")
     view = await fleet.registry.resolve(body.model)
     envelope = new_envelope(await request_json(request), kind, view.name, fleet.settings, body=body)
+    envelope.api = api
     own_timeout = body.timeout if body.timeout and body.timeout <= fleet.settings.request_timeout_s else None
     return await serve_encoding(request, fleet, envelope, endpoint, lambda terminal: write(terminal, envelope),
                                 own_timeout)
@@ -50,6 +53,12 @@ async def _serve(kind: str, endpoint: str, body: EncoderRequest, request: Reques
 async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response:
     return await _serve("embed", "embeddings", body, request, lambda terminal, envelope: answers.embeddings(
         terminal, envelope.request_id, int(envelope.arrival), envelope.model, body))
+
+
+@router.post("/v2/embed")
+async def create_cohere_embeddings(body: CohereEmbedRequest, request: Request) -> Response:
+    return await _serve("embed", "embed", body, request, lambda terminal, envelope: answers.cohere_embed(
+        terminal, envelope.request_id, body), api="cohere")
 
 
 @router.post("/pooling")
