@@ -166,6 +166,34 @@ def test_cohere_embed_truncates_as_asked_and_sizes_to_the_output_dimension(encod
     assert np.allclose(mixed.json()["embeddings"]["float"][0], expected(["a b c"])[0], atol=1e-6)
 
 
+def test_invocations_dispatch_pooling_bodies_by_what_the_model_serves(encoders):
+    gateway = encoders[0]
+
+    def both(path: str, body: dict) -> tuple[dict, dict]:
+        direct, dispatched = post(gateway, path, body), post(gateway, "/invocations", body)
+        assert direct.status_code == dispatched.status_code == 200, (path, dispatched.text)
+        return direct.json(), dispatched.json()
+
+    def same(direct: dict, dispatched: dict) -> bool:
+        return {k: v for k, v in direct.items() if k not in ("id", "created")} == \
+            {k: v for k, v in dispatched.items() if k not in ("id", "created")}
+
+    for path, body in [("/v1/embeddings", {"model": EMBED, "input": ["hello there", "hi"]}),
+                       ("/rerank", {"model": EMBED, "query": "calm sea", "documents": ["a calm sea", "mountains"]}),
+                       ("/score", {"model": EMBED, "text_1": "calm sea", "text_2": ["a calm sea", "mountains"]}),
+                       ("/classify", {"model": CLASSIFY, "input": "hello there"}),
+                       # A conversation to an embedding model: embedded, as vLLM's dispatch does (no chat route).
+                       ("/v1/embeddings", {"model": EMBED, "messages": [{"role": "user", "content": "hi there"}]})]:
+        assert same(*both(path, body)), path
+    chat = post(gateway, "/invocations", {"model": GENERATE, "messages": [{"role": "user", "content": "hi"}],
+                                           "max_tokens": 2})
+    assert chat.status_code == 200 and chat.json()["object"] == "chat.completion"
+    nothing = post(gateway, "/invocations", {"model": EMBED, "prompt": "hi"})
+    assert nothing.status_code == 400
+    assert "Expected one of: ['EmbeddingRequest', 'RerankRequest', 'ScoreRequest', 'PoolingRequest']" in \
+        nothing.json()["error"]["message"]
+
+
 def test_score_pairs_one_to_many_and_many_to_many(encoders):
     gateway = encoders[0]
     one_to_many = post(gateway, "/score", {"model": EMBED, "text_1": "red apple", "text_2": ["red apple", "blue sky"]})

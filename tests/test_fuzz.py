@@ -124,8 +124,9 @@ def test_the_published_schema_has_every_request_model(fuzzed_gateway):
         assert body == {"$ref": f"#/components/schemas/{model}"}, (path, body)
         assert model in published["components"]["schemas"]
     invocations = published["paths"]["/invocations"]["post"]["requestBody"]["content"]["application/json"]["schema"]
-    assert invocations == {"anyOf": [{"$ref": "#/components/schemas/ChatCompletionRequest"},
-                                     {"$ref": "#/components/schemas/CompletionRequest"}]}
+    assert invocations == {"anyOf": [{"$ref": f"#/components/schemas/{model}"} for model in (
+        "ChatCompletionRequest", "CompletionRequest", "EmbeddingRequest", "ClassifyRequest", "RerankRequest",
+        "ScoreRequest", "PoolingRequest")]}
     operations = {(method.upper(), path) for path, methods in published["paths"].items() for method in methods}
     assert operations - {("GET", "/openapi.json")} == set(OPERATIONS)
 

@@ -99,6 +99,10 @@ def cases() -> list[Case]:
                                                                   "max_tokens": 5}),
         Case("cohere embed truncated to the context", "/v2/embed", {"texts": [TOO_LONG]}),
         Case("cohere embed inputs", "/v2/embed", {"inputs": [{"content": [{"type": "text", "text": texts[0]}]}]}),
+        Case("invocations embed", "/invocations", {"input": texts}),
+        Case("invocations embed a conversation", "/invocations", {"messages": [{"role": "user", "content": texts[0]}]}),
+        Case("invocations rerank", "/invocations", {"query": query, "documents": documents}),
+        Case("invocations score", "/invocations", {"text_1": query, "text_2": documents}),
     ]
     invalid = [
         Case("embed nothing", "/v1/embeddings", {"input": []}),
@@ -130,6 +134,7 @@ def cases() -> list[Case]:
                                                                        "max_tokens": 2}),
         Case("cohere embed output_dimension", "/v2/embed", {"texts": ["a"], "output_dimension": 8}),
         Case("cohere embed an unknown type", "/v2/embed", {"texts": ["a"], "embedding_types": ["int8"]}),
+        Case("invocations a completion body", "/invocations", {"prompt": "a"}),
     ]
     return [Case(c.name, c.path, {"model": MODEL, **c.body}) for c in valid + invalid]
 
