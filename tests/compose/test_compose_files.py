@@ -207,3 +207,13 @@ def test_grafana_provisioning_matches_the_stack():
         if panel["type"] != "row":
             assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
             assert panel["targets"], panel["title"]
+
+
+def test_the_encoders_profile_adds_the_worker_as_an_embedding_model():
+    services = compose_config(CPU_FILE, env={"GRAFANA_ADMIN_PASSWORD": "x"})["services"]
+    worker, embedder = services["worker"], services["embedder"]
+    assert embedder["profiles"] == ["encoders"] and "profiles" not in worker  # off unless asked for
+    assert embedder["image"] == worker["image"] and embedder["command"] == worker["command"] == ["worker"]
+    assert embedder["environment"] == {**worker["environment"], "LLMFLEET_SERVED_MODEL_NAME": "tiny-embed",
+                                       "LLMFLEET_RUNNER": "pooling", "LLMFLEET_CONVERT": "embed"}
+    assert embedder["networks"] == worker["networks"]  # Prometheus scrapes it as a worker
