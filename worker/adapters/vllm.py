@@ -93,7 +93,25 @@ _FINISH_REASONS = {"abort": "cancelled"}  # vLLM's word for a cancelled request;
 _TOKENIZE = pydantic.TypeAdapter(TokenizeRequest)
 
 
-class VLLMAdapter(GenerationAdapter, TokenizerAdapter):
+class AsyncLLMLifetime:
+    """The end, the health and the failure of an adapter's `AsyncLLM` (`self.engine`, None until
+    `start`), for both vLLM adapters: this one and the encoder's (vllm_pooling.py)."""
+
+    engine: AsyncLLM | None
+
+    async def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+
+    async def check_health(self) -> None:
+        await self.engine.check_health()
+
+    @property
+    def failure(self) -> BaseException | None:
+        return self.engine.dead_error if self.engine is not None and self.engine.errored else None
+
+
+class VLLMAdapter(AsyncLLMLifetime, GenerationAdapter, TokenizerAdapter):
     """A generation engine with its tokenizer: chat, completion, tokenize, detokenize."""
 
     engine_name = "vllm"
@@ -134,17 +152,6 @@ class VLLMAdapter(GenerationAdapter, TokenizerAdapter):
         self.completion = OpenAIServingCompletion(engine, models, online_renderer=renderer, request_logger=None,
                                                   enable_prompt_tokens_details=self.prompt_tokens_details)
         self.tokenization = ServingTokenization(models, renderer, request_logger=None, **template)
-
-    async def shutdown(self) -> None:
-        if self.engine is not None:
-            self.engine.shutdown()
-
-    async def check_health(self) -> None:
-        await self.engine.check_health()
-
-    @property
-    def failure(self) -> BaseException | None:
-        return self.engine.dead_error if self.engine is not None and self.engine.errored else None
 
     async def abort(self, request_id: str) -> None:
         # vLLM's handlers name engine requests after the API: chatcmpl-<id>, cmpl-<id>-<prompt index>.

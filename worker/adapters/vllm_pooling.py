@@ -52,7 +52,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from shared.envelopes import API_NAMES, GenerationChunk, Pooled, RequestEnvelope, Usage
 from shared.errors import InvalidRequest
 from worker.adapters.base import ENCODER_KINDS, TOKENIZER_KINDS, EncoderAdapter, TokenizerAdapter
-from worker.adapters.vllm import _error_chunk, _refusal, answer_tokenizer
+from worker.adapters.vllm import AsyncLLMLifetime, _error_chunk, _refusal, answer_tokenizer
 
 # vLLM's request model of each kind, as its routes validate the body.
 _REQUESTS: dict[str, pydantic.TypeAdapter] = {
@@ -89,7 +89,7 @@ class _Pooling(_InContext, ServingPooling):
     pass
 
 
-class VLLMPoolingAdapter(EncoderAdapter, TokenizerAdapter):
+class VLLMPoolingAdapter(AsyncLLMLifetime, EncoderAdapter, TokenizerAdapter):
     """A pooling model with its tokenizer: the encoder kinds it serves, tokenize, detokenize."""
 
     engine_name = "vllm"
@@ -134,17 +134,6 @@ class VLLMPoolingAdapter(EncoderAdapter, TokenizerAdapter):
     def _serve(self, kind: str, handler, outputs: Callable[[PoolingServeContext], tuple[list[Pooled], int]]) -> None:
         self._handlers[kind] = handler
         self._outputs[kind] = outputs
-
-    async def shutdown(self) -> None:
-        if self.engine is not None:
-            self.engine.shutdown()
-
-    async def check_health(self) -> None:
-        await self.engine.check_health()
-
-    @property
-    def failure(self) -> BaseException | None:
-        return self.engine.dead_error if self.engine is not None and self.engine.errored else None
 
     async def encode(self, request: RequestEnvelope) -> GenerationChunk:
         """`vllm serve`'s handler of the request's kind, its outputs packed for the wire."""
