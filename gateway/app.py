@@ -12,11 +12,10 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from gateway.api import fleet as fleet_routes
-from gateway.api import sessions, streams, tokenizer
+from gateway.api import invocations, sessions, streams, tokenizer
 from gateway.api.anthropic import messages as anthropic_messages
 from gateway.api.openai import chat as openai_chat
 from gateway.api.openai import completions as openai_completions
-from gateway.api.openai import invocations as openai_invocations
 from gateway.api.openai import responses as openai_responses
 from gateway.api.pooling import routes as pooling_routes
 from gateway.fleet.runs import Fleet
@@ -26,7 +25,7 @@ from gateway.http.body_limit import BodySizeLimit
 from gateway.http.errors import install_error_handlers
 from gateway.settings import GatewaySettings
 
-ROUTERS = (openai_chat.router, openai_completions.router, openai_invocations.router, openai_responses.router,
+ROUTERS = (openai_chat.router, openai_completions.router, invocations.router, openai_responses.router,
            anthropic_messages.router, streams.router, fleet_routes.router, tokenizer.router, sessions.router,
            pooling_routes.router)
 
