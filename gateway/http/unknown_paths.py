@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.routing import Match
 
 SERVED = ("POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, POST /v1/messages (Anthropic), "
-          "POST /v1/embeddings, /score, /rerank, /classify and /pooling (of pooling models) and GET /v1/models")
+          "POST /v1/embeddings, /v2/embed, /score, /rerank, /classify and /pooling (of pooling models) and GET /v1/models")
 WHERE_LISTED = "README's Endpoints section lists them all, as does GET /openapi.json"
 
 _SPEECH = " (yet): its workers serve text generation, not speech models"
