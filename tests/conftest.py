@@ -15,6 +15,7 @@ import redis
 from shared import redis_pool
 from tests.parity.encoders import EncoderPair
 from tests.parity.harness import ParserWorkers, VllmServes
+from tests import procs
 from tests.procs import (
     Proc,
     start_gateway,
@@ -25,6 +26,11 @@ from tests.procs import (
 )
 
 SCRIPTED_MODEL = "scripted-model"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Gateways and scripted workers fork from the zygote, unless LLMFLEET_TEST_ZYGOTE=0."""
+    procs.USE_ZYGOTE = os.environ.get("LLMFLEET_TEST_ZYGOTE", "1") != "0"
 
 
 def _needs_the_stack(item: pytest.Item) -> bool:

@@ -105,7 +105,7 @@ class Proc:
 def spawn(name: str, args: list[str], env: dict[str, str] | None = None) -> Proc:
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     log_path = LOG_DIR / f"{name}-{time.time_ns()}.log"
-    if _forkable(args):  # `python -m llmfleet gateway|worker --engine scripted`: from the zygote
+    if _forkable(args, env):  # `python -m llmfleet gateway|worker --engine scripted`: from the zygote
         child = zygote().spawn(args[3:], {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, log_path)
         return Proc(name, child, log_path)
     log_file = open(log_path, "wb")  # noqa: SIM115 - owned by the child process
@@ -115,10 +115,18 @@ def spawn(name: str, args: list[str], env: dict[str, str] | None = None) -> Proc
     return Proc(name, popen, log_path)
 
 
-def _forkable(args: list[str]) -> bool:
-    """A gateway or a scripted worker (a vLLM worker's engine is another program), unless
-    LLMFLEET_TEST_ZYGOTE=0 asks for a fresh interpreter each time."""
-    if os.environ.get("LLMFLEET_TEST_ZYGOTE", "1") == "0" or args[:3] != [sys.executable, "-m", "llmfleet"]:
+# Whether gateways and scripted workers fork from the zygote (tests/zygote.py): the test suite
+# turns it on (tests/conftest.py) unless LLMFLEET_TEST_ZYGOTE=0. Benchmarks and scripts leave it
+# off: they measure processes as deployed, each in a fresh interpreter.
+USE_ZYGOTE = False
+
+
+def _forkable(args: list[str], env: dict[str, str] | None) -> bool:
+    """A gateway or a scripted worker of this checkout (a vLLM worker's engine is another program;
+    a PYTHONPATH may name another tree), when the zygote is on."""
+    if not USE_ZYGOTE or args[:3] != [sys.executable, "-m", "llmfleet"]:
+        return False
+    if any(name in (env or {}) for name in ("PYTHONPATH", "PYTHONSAFEPATH", "PYTHONHOME")):
         return False
     command = args[3:4]
     return command == ["gateway"] or (command == ["worker"] and "--engine" in args
