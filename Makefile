@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 ENGINE ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 STAMP  := $(VENV)/.installed-$(ENGINE)
 
-.PHONY: install system-deps bytecode up test test-processes compose-images test-vllm test-compose test-cluster test-compose-cluster test-fast soak lint clean bench parity
+.PHONY: install system-deps bytecode up test test-processes compose-images test-vllm test-compose test-cluster test-vllm-cluster test-compose-images test-fast soak lint clean bench parity
 
 install: $(STAMP)
 
@@ -46,24 +46,27 @@ up: install
 	$(BIN)/llmfleet up
 
 # Every tier, in two passes, each printing its slowest tests:
-# 1. the in-process and multi-process tiers, on three pytest workers at once (they mostly wait);
-# 2. the vLLM tier (one test at a time: a CPU engine busies its core) beside the build of the
-#    compose tier's images, its stack's tests, and then the tests of the multi-key scripts and
-#    slots again on a 3-primary Redis Cluster (redis+cluster://, marker `cluster`: the
-#    hash-tagged keys must hold there too); each printed whole when it ends.
-# The first pass's gateways and scripted workers fork from a zygote (tests/zygote.py). (Measured:
-# the images built beside the first pass, or three lanes at once, made timing-sensitive tests
-# fail: two cores and the vLLM engines' memory are shared.)
+# 1. the in-process and multi-process tiers, on three pytest workers at once (they mostly wait;
+#    their gateways and scripted workers fork from a zygote, tests/zygote.py);
+# 2. two lanes side by side, each printed whole when it ends: the vLLM tier (one test at a time:
+#    a CPU engine busies its core), then the tests of the multi-key scripts and slots again on a
+#    3-primary Redis Cluster (redis+cluster://, marker `cluster`: the hash-tagged keys must hold
+#    there too); and the build of the compose tier's images, then its stack's tests.
+# (Measured: the images built beside the first pass, or three lanes at once, made timing-sensitive
+# tests fail: two cores and the vLLM engines' memory are shared.)
 test: install system-deps bytecode
 	$(MAKE) --no-print-directory test-processes
-	$(MAKE) --no-print-directory -j2 -Otarget test-vllm test-compose-cluster
+	$(MAKE) --no-print-directory -j2 -Otarget test-vllm-cluster test-compose-images
 
 test-cluster: install
 	LLMFLEET_TEST_REDIS=cluster $(BIN)/python -m pytest -q -n 2 --dist worksteal -m "cluster and not vllm" --durations=10
 
-test-compose-cluster: compose-images
-	$(MAKE) --no-print-directory test-compose
+test-vllm-cluster: install
+	$(MAKE) --no-print-directory test-vllm
 	$(MAKE) --no-print-directory test-cluster
+
+test-compose-images: compose-images
+	$(MAKE) --no-print-directory test-compose
 
 # The project's own bytecode, once: where PYTHONDONTWRITEBYTECODE is set (as on CI machines),
 # every gateway and worker a test starts would compile it again (a quarter of a second each).
