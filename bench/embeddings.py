@@ -8,9 +8,11 @@ Two parts, each on fresh processes:
   workload `--rounds` times (the median is kept): inputs per second, request latency p50 and
   p99, and the gateway's CPU per input (llmfleet's cost beside the engine). Workloads: 1 and 64
   inputs per request, 1 to 64 concurrent clients.
-- **scripted**: how the fleet spreads many clients' requests over its workers, with the scripted
-  encoder given a fixed cost per input (`--scripted-seconds-per-input`): one worker, then two, the
-  same load (two CPU engines would share this machine's two cores, which measures the machine).
+- **scripted**: how the fleet spreads work over its workers, with the scripted encoder given a
+  fixed cost per input (`--scripted-seconds-per-input`): one worker, then two, the same load (two
+  CPU engines would share this machine's two cores, which measures the machine). Two loads: many
+  clients' requests of 64 inputs, and one request of 10,000 inputs, which the gateway serves in
+  parts of 256 (`--encoder-part-inputs`), and, as the baseline, whole (`--encoder-part-inputs 0`).
 
     python -m bench.embeddings [--quick] [--rounds N] [--only vllm,scripted]
 
@@ -46,6 +48,8 @@ MODEL = "tiny-embed"
 POOLING = ["--runner", "pooling", "--convert", "embed"]
 WORDS = "the sea is calm tonight a tide of words rolls over stones and sand under a pale moon".split()
 SCRIPTED_COST_S = 0.002  # per input: one scripted worker encodes 500 inputs a second
+LARGE_INPUTS = 10_000  # the one large request's (an indexing job's)
+PART_INPUTS = 256
 
 
 def workloads(quick: bool) -> list[dict]:
@@ -141,9 +145,12 @@ def run_vllm(quick: bool, rounds: int) -> list[dict]:
 
 
 def run_scripted(quick: bool, rounds: int) -> dict:
-    """Inputs per second of one scripted encoder worker, then two, under the same load."""
+    """Inputs per second of one scripted encoder worker, then two, under the same loads: many
+    clients, and one large request (in parts, and whole)."""
     workload = {"inputs": 64, "concurrency": 16, "requests": 32 if quick else 96}
-    result = {"seconds_per_input": SCRIPTED_COST_S, **workload}
+    large = {"inputs": LARGE_INPUTS // 5 if quick else LARGE_INPUTS, "concurrency": 1, "requests": 1}
+    result = {"seconds_per_input": SCRIPTED_COST_S, **workload, "large_inputs": large["inputs"],
+              "part_inputs": PART_INPUTS}
     for workers in (1, 2):
         procs = []
         try:
@@ -151,16 +158,25 @@ def run_scripted(quick: bool, rounds: int) -> dict:
             procs.append(redis)
             procs += [start_worker(redis.url, MODEL, "--runner", "pooling", "--scripted-seconds-per-input",
                                    str(SCRIPTED_COST_S)) for _ in range(workers)]
-            gateway = start_gateway(redis.url)
-            procs.append(gateway)
-            wait_until_served(gateway, MODEL)
-            runs = [asyncio.run(measure(gateway.url, workload, seed)) for seed in range(rounds)]
-            result[f"{workers} worker{'s' * (workers > 1)}"] = _median(runs)
+            parted, whole = (start_gateway(redis.url, "--max-encoder-inputs", str(large["inputs"]),
+                                           "--encoder-part-inputs", str(part)) for part in (PART_INPUTS, 0))
+            procs += [parted, whole]
+            for gateway in (parted, whole):
+                wait_until_served(gateway, MODEL)
+            name = f"{workers} worker{'s' * (workers > 1)}"
+            result[name] = _median([asyncio.run(measure(parted.url, workload, seed)) for seed in range(rounds)])
+            result[f"{name}, one large request"] = _median([asyncio.run(measure(parted.url, large, seed))
+                                                            for seed in range(rounds)])
+            result[f"{name}, one large request whole"] = _median([asyncio.run(measure(whole.url, large, seed))
+                                                                  for seed in range(rounds)])
         finally:
             for proc in reversed(procs):
                 proc.stop()
         progress("embeddings (scripted)", workers, 2)
-    result["speedup"] = result["2 workers"]["inputs_per_s"] / result["1 worker"]["inputs_per_s"]
+    rate = {name: value["inputs_per_s"] for name, value in result.items() if isinstance(value, dict)}
+    result["speedup"] = rate["2 workers"] / rate["1 worker"]
+    result["large_speedup"] = rate["2 workers, one large request"] / rate["1 worker, one large request"]
+    result["large_whole_speedup"] = rate["2 workers, one large request whole"] / rate["1 worker, one large request"]
     return result
 
 
@@ -179,7 +195,13 @@ def table(result: dict) -> str:
         lines += ["", f"Scripted encoder, {scripted['seconds_per_input'] * 1000:g} ms per input, "
                       f"{scripted['concurrency']} clients of {scripted['inputs']} inputs: "
                       f"1 worker {scripted['1 worker']['inputs_per_s']:.0f} inputs/s, 2 workers "
-                      f"{scripted['2 workers']['inputs_per_s']:.0f} inputs/s ({scripted['speedup']:.2f}x)."]
+                      f"{scripted['2 workers']['inputs_per_s']:.0f} inputs/s ({scripted['speedup']:.2f}x).", "",
+                  f"One request of {scripted['large_inputs']:,} inputs (the same cost per input), served in parts of "
+                  f"{scripted['part_inputs']}: 1 worker {scripted['1 worker, one large request']['inputs_per_s']:.0f} "
+                  f"inputs/s, 2 workers {scripted['2 workers, one large request']['inputs_per_s']:.0f} inputs/s "
+                  f"({scripted['large_speedup']:.2f}x); the same request whole on 2 workers "
+                  f"{scripted['2 workers, one large request whole']['inputs_per_s']:.0f} inputs/s "
+                  f"({scripted['large_whole_speedup']:.2f}x: one worker takes it all)."]
     return "\n".join(lines)
 
 

@@ -5,6 +5,8 @@ from prometheus_client import Counter, Gauge, Histogram
 REQUESTS = Counter("llmfleet_gateway_requests_total", "HTTP responses, refusals included, by API family, endpoint, "
                    "model (empty before it is resolved) and status (an error inside a stream by its own)",
                    ["family", "endpoint", "model", "status"])
+REQUEST_PARTS = Counter("llmfleet_gateway_request_parts_total", "Parts queued for requests served in parts (an "
+                        "encoding of more than --encoder-part-inputs inputs), by model", ["model"])
 SUBMITTED = Counter("llmfleet_gateway_submitted_total", "Requests queued for workers", ["model"])
 OPEN_STREAMS = Gauge("llmfleet_gateway_open_requests", "Requests waiting on workers in this process")
 TIME_TO_FIRST_TOKEN = Histogram(

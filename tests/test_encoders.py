@@ -350,3 +350,87 @@ async def test_a_cancel_by_cancel_id_stops_the_encoding_and_answers_499(encoders
     assert answer.json()["error"]["type"] == "Cancelled"
     wait_for(lambda: metric_value(slow.url, "llmfleet_worker_in_flight", model=SLOW) == in_flight, 10,
              "its slot to free")
+
+
+PART_INPUTS = 10
+
+
+@pytest.fixture(scope="module")
+def parted_gateway(redis_url: str, encoders):
+    """A gateway that serves a request of more than PART_INPUTS inputs in parts, and requires keys."""
+    gateway = start_gateway(redis_url, "--require-keys", "--max-encoder-inputs", "200",
+                            "--encoder-part-inputs", str(PART_INPUTS))
+    try:
+        wait_for(lambda: post(gateway, "/v1/embeddings", {"model": EMBED, "input": "a"}).status_code == 401, 10,
+                 "the gateway to answer")
+        yield gateway
+    finally:
+        gateway.stop()
+
+
+def _key_usage(redis_url: str, name: str) -> list[str]:
+    """The key's usage line of EMBED: its name, the model, requests, prompt and completion tokens."""
+    return next(line.split() for line in llmfleet_keys(redis_url, "usage", name).splitlines()
+                if line.startswith(name) and EMBED in line)
+
+
+def test_a_request_of_many_inputs_is_encoded_in_parts_by_every_worker_and_answered_in_order(
+        encoders, parted_gateway, redis_url):
+    _gateway, embed, _slow = encoders
+    name, secret = create_key(redis_url)
+    texts = [f"w{i} x{i % 7} y" for i in range(95)]  # 10 parts, the last of 5
+    before = [metric_value(w.url, "llmfleet_worker_encoded_inputs_total", model=EMBED, kind="embed") for w in embed]
+    parts = metric_value(parted_gateway.url, "llmfleet_gateway_request_parts_total", model=EMBED)
+    answer = post(parted_gateway, "/v1/embeddings", {"model": EMBED, "input": texts, "encoding_format": "float"},
+                  headers={"Authorization": f"Bearer {secret}"})
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert [item["index"] for item in body["data"]] == list(range(95))
+    assert np.allclose([item["embedding"] for item in body["data"]], expected(texts), atol=1e-6)
+    assert body["usage"]["prompt_tokens"] == 3 * 95
+    assert metric_value(parted_gateway.url, "llmfleet_gateway_request_parts_total", model=EMBED) == parts + 10
+    encoded = [metric_value(w.url, "llmfleet_worker_encoded_inputs_total", model=EMBED, kind="embed") - b
+               for w, b in zip(embed, before)]
+    assert sum(encoded) == 95 and all(encoded), f"inputs encoded by each worker: {encoded}"
+    # One request against the key's limits and usage, its tokens all counted.
+    wait_for(lambda: _key_usage(redis_url, name)[2:] == ["1", str(3 * 95), "0"], 5,
+             "the key's usage to count one request of 285 tokens")
+    # A part's error is the request's, as the worker gave it; the other parts stop.
+    texts[57] = "long " * (MAX_MODEL_LEN + 4)
+    refused = post(parted_gateway, "/v1/embeddings", {"model": EMBED, "input": texts},
+                   headers={"Authorization": f"Bearer {secret}"})
+    whole = post(encoders[0], "/v1/embeddings", {"model": EMBED, "input": texts[50:58]})
+    assert refused.status_code == whole.status_code == 400, refused.text[:300]
+    assert refused.json()["error"] == whole.json()["error"]
+
+
+async def test_a_cancel_or_a_client_gone_stops_every_part(encoders, parted_gateway, redis_url):
+    _gateway, _embed, slow = encoders
+    _name, secret = create_key(redis_url)
+    headers = {"Authorization": f"Bearer {secret}"}
+    in_flight = metric_value(slow.url, "llmfleet_worker_in_flight", model=SLOW)
+    submitted = metric_value(parted_gateway.url, "llmfleet_gateway_submitted_total", model=SLOW)
+    body = {"model": SLOW, "input": [f"part {i}" for i in range(40)], "cancel_id": "parts-1"}  # 4 parts of 60 s each
+    async with httpx.AsyncClient(base_url=parted_gateway.url, timeout=30, headers=headers) as client:
+        answering = asyncio.ensure_future(client.post("/v1/embeddings", json=body))
+        deadline = time.monotonic() + 10
+        while metric_value(slow.url, "llmfleet_worker_in_flight", model=SLOW) < in_flight + 2:  # both in its window
+            assert time.monotonic() < deadline and not answering.done(), "the worker never took the first parts"
+            await asyncio.sleep(0.05)
+        cancelled = await client.post("/v1/cancel", json={"cancel_id": "parts-1"})
+        answer = await answering
+    assert cancelled.json() == {"cancelled": 2}
+    assert answer.status_code == 499 and answer.json()["error"]["type"] == "Cancelled", answer.text
+    wait_for(lambda: metric_value(slow.url, "llmfleet_worker_in_flight", model=SLOW) == in_flight, 10,
+             "the parts' slots to free")
+    # The parts not queued yet never were: one worker of the model, so two parts at a time.
+    assert metric_value(parted_gateway.url, "llmfleet_gateway_submitted_total", model=SLOW) == submitted + 2
+
+    cancels = metric_value(slow.url, "llmfleet_worker_cancels_total", model=SLOW, cause="disconnect")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{parted_gateway.url}/v1/embeddings", json={**body, "cancel_id": None}, headers=headers,
+                   timeout=1.5)
+    wait_for(lambda: metric_value(slow.url, "llmfleet_worker_cancels_total", model=SLOW, cause="disconnect")
+             == cancels + 2, 10, "the worker to cancel both parts it had")
+    wait_for(lambda: metric_value(slow.url, "llmfleet_worker_in_flight", model=SLOW) == in_flight, 10,
+             "the parts' slots to free")

@@ -264,7 +264,7 @@ class Fleet:
         its model's workers; on the way out, on every path (an error, a cancel at any await, a
         client gone), it closes the route and unregisters it, if it had not ended taking it back
         from the queue first, or cancelling it on its worker once one has claimed it."""
-        self._check_open(envelope)
+        self.check_open(envelope)
         grant = await self.limits.admit(envelope, key)  # its key's limits (404, 429), before anything is registered
         envelope.reply_to = self.router.stream
         run = Run(envelope, self.router.open(envelope.request_id), self.registry)
@@ -277,7 +277,8 @@ class Fleet:
             run.close()
             self.end(run)
 
-    def _check_open(self, envelope: RequestEnvelope) -> None:
+    def check_open(self, envelope: RequestEnvelope) -> None:
+        """Refuse a request this gateway cannot take now: draining, a kind its model does not serve, no queue, full."""
         if self.draining:
             raise ServiceUnavailable("This gateway is shutting down; retry on another replica.")
         self.registry.check_kind(envelope.model, envelope.kind)

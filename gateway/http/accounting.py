@@ -19,11 +19,13 @@ about the request (`shared.logs`), the access line included: one per request, at
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
 import re
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 from starlette.routing import Match
@@ -61,6 +63,19 @@ def note(**facts: Any) -> None:
     current = _facts.get(None)
     if current is not None:
         current.update(facts)
+
+
+@contextlib.contextmanager
+def apart() -> Iterator[None]:
+    """Inside it, the facts of a part of the request being served are kept apart from the request's
+    own (the parts of a split encoding each have a life of their own, gateway/serve/encoding.py):
+    a part's outcome does not become the request's, and each part gets a request log line of its own."""
+    parent = _facts.get(None) or {}
+    token = _facts.set({name: parent[name] for name in ("log_request", "model", "tenant", "arrival") if name in parent})
+    try:
+        yield
+    finally:
+        _facts.reset(token)
 
 
 class CountResponses:
