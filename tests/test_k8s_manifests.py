@@ -103,6 +103,21 @@ def selects(selector: dict, labels: dict) -> bool:
     return all(labels.get(k) == v for k, v in selector["matchLabels"].items())
 
 
+def workers(docs: list[dict]) -> list[tuple[dict, str]]:
+    """The Deployments whose pods pull work from Redis, each with its container's name: the
+    generation workers, and the embedding workers where components/embedder is (cpu-dev)."""
+    found = [(one(docs, "Deployment", "llmfleet-worker"), "worker")]
+    if any(d["kind"] == "Deployment" and d["metadata"]["name"] == "llmfleet-embedder" for d in docs):
+        found.append((one(docs, "Deployment", "llmfleet-embedder"), "embedder"))
+    return found
+
+
+def served_model(docs: list[dict], deployment: dict, role: str) -> str:
+    """The model a worker Deployment serves: its own LLMFLEET_SERVED_MODEL_NAME, else the ConfigMap's."""
+    own = env(container(deployment, role)).get("LLMFLEET_SERVED_MODEL_NAME")
+    return own["value"] if own else config(docs)["LLMFLEET_SERVED_MODEL_NAME"]
+
+
 # --- schemas ----------------------------------------------------------------------------
 
 
@@ -175,31 +190,36 @@ def test_every_custom_kind_has_a_check(build):
 
 def test_autoscalers_own_the_replica_counts(build):
     _, docs = build
-    gateway, worker = one(docs, "Deployment", "llmfleet-gateway"), one(docs, "Deployment", "llmfleet-worker")
-    assert "replicas" not in gateway["spec"] and "replicas" not in worker["spec"]
+    gateway = one(docs, "Deployment", "llmfleet-gateway")
+    assert "replicas" not in gateway["spec"]
     hpas = kinds(docs, "HorizontalPodAutoscaler")
     assert [h["spec"]["scaleTargetRef"]["name"] for h in hpas] == ["llmfleet-gateway"]
     assert hpas[0]["spec"]["minReplicas"] >= 2
-    scaled = one(docs, "ScaledObject", "llmfleet-worker")
-    assert scaled["spec"]["scaleTargetRef"]["name"] == "llmfleet-worker"
-    assert scaled["spec"]["minReplicaCount"] == 0
+    for worker, _role in workers(docs):
+        name = worker["metadata"]["name"]
+        assert "replicas" not in worker["spec"], name
+        scaled = one(docs, "ScaledObject", name)
+        assert scaled["spec"]["scaleTargetRef"]["name"] == name
+        assert scaled["spec"]["minReplicaCount"] == 0
+    assert len(kinds(docs, "ScaledObject")) == len(workers(docs))
 
 
 def test_disruption_budgets_cover_gateways_and_workers(build):
     _, docs = build
     budgets = kinds(docs, "PodDisruptionBudget")
-    for name in ("llmfleet-gateway", "llmfleet-worker"):
-        labels = one(docs, "Deployment", name)["spec"]["template"]["metadata"]["labels"]
+    for deployment in [one(docs, "Deployment", "llmfleet-gateway"), *(w for w, _ in workers(docs))]:
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
         covering = [b for b in budgets if selects(b["spec"]["selector"], labels)]
-        assert len(covering) == 1 and covering[0]["spec"]["maxUnavailable"] == 1, name
+        assert len(covering) == 1 and covering[0]["spec"]["maxUnavailable"] == 1, deployment["metadata"]["name"]
 
 
 def test_termination_grace_covers_what_the_timeouts_allow(build):
     _, docs = build
     settings = config(docs)
     request_timeout = float(settings["LLMFLEET_REQUEST_TIMEOUT"])
-    worker = one(docs, "Deployment", "llmfleet-worker")["spec"]["template"]["spec"]
-    assert worker["terminationGracePeriodSeconds"] >= request_timeout + WORKER_DRAIN_MARGIN_S
+    for worker, _role in workers(docs):
+        grace = worker["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        assert grace >= request_timeout + WORKER_DRAIN_MARGIN_S, worker["metadata"]["name"]
     assert float(settings["LLMFLEET_QUEUE_TIMEOUT"]) <= request_timeout
     gateway = one(docs, "Deployment", "llmfleet-gateway")
     pre_stop = container(gateway, "gateway")["lifecycle"]["preStop"]["exec"]["command"]
@@ -228,8 +248,8 @@ def test_the_redis_password_comes_only_from_the_secret(build):
     args = redis_container["args"]
     assert args[args.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
     settings = config(docs)
-    for deployment, role in (("llmfleet-gateway", "gateway"), ("llmfleet-worker", "worker")):
-        variables = env(container(one(docs, "Deployment", deployment), role))
+    for deployment, role in [(one(docs, "Deployment", "llmfleet-gateway"), "gateway"), *workers(docs)]:
+        variables = env(container(deployment, role))
         assert variables["REDIS_PASSWORD"]["valueFrom"] == secret_ref
         assert variables["LLMFLEET_REDIS_URL"]["value"] == REDIS_URL
         names = list(variables)  # the kubelet expands only variables defined before (envFrom first)
@@ -259,24 +279,28 @@ def test_only_gateways_workers_and_keda_reach_redis(build):
     redis_port = container(one(docs, "Deployment", "llmfleet-redis"), "redis")["ports"][0]["containerPort"]
     assert rule["ports"] == [{"protocol": "TCP", "port": redis_port}]
     allowed = [(peer.get("namespaceSelector"), peer["podSelector"]) for peer in rule["from"]]
-    fleet = [one(docs, "Deployment", n)["spec"]["template"]["metadata"]["labels"]
-             for n in ("llmfleet-gateway", "llmfleet-worker")]
+    fleet = [d["spec"]["template"]["metadata"]["labels"]
+             for d in [one(docs, "Deployment", "llmfleet-gateway"), *(w for w, _ in workers(docs))]]
     same_namespace = [pods for namespaces, pods in allowed if namespaces is None]
-    assert len(same_namespace) == 2 and all(any(selects(p, labels) for p in same_namespace) for labels in fleet)
+    assert len(same_namespace) == len(fleet) and all(any(selects(p, labels) for p in same_namespace) for labels in fleet)
     assert not any(selects(p, redis_pod) for p in same_namespace)
     assert [(n, p) for n, p in allowed if n is not None] == [
         ({"matchLabels": {"kubernetes.io/metadata.name": "keda"}},
          {"matchLabels": {"app.kubernetes.io/name": "keda-operator"}})]
 
 
-def test_workers_scale_on_the_served_models_stream(build):
+@pytest.mark.parametrize("which", [0, 1])
+def test_workers_scale_on_the_served_models_stream(build, which):
     _, docs = build
+    if which >= len(workers(docs)):
+        pytest.skip("no embedding workers in this build")
     settings = config(docs)
-    scaled = one(docs, "ScaledObject", "llmfleet-worker")
+    worker, role = workers(docs)[which]
+    scaled = one(docs, "ScaledObject", worker["metadata"]["name"])
     trigger, total = scaled["spec"]["triggers"]
     assert trigger["type"] == "redis-streams"
     metadata = trigger["metadata"]
-    served = settings["LLMFLEET_SERVED_MODEL_NAME"]
+    served = served_model(docs, worker, role)
     assert metadata["stream"] == keys.request_stream(served)
     assert "consumerGroup" not in metadata, "with a consumer group KEDA counts pending entries, not the length"
     assert metadata["streamLength"] == settings["LLMFLEET_MAX_CONCURRENCY"]
@@ -312,6 +336,17 @@ def test_services_target_named_container_ports(build):
         assert len(targets) == 1, service["metadata"]["name"]
         names = {port["name"] for c in targets[0]["spec"]["containers"] for port in c.get("ports", [])}
         assert {p["targetPort"] for p in service["spec"]["ports"]} <= names, service["metadata"]["name"]
+
+
+def test_the_dev_overlay_serves_an_embedding_model_beside_the_generation_model():
+    docs = kustomize(BUILDS["cpu-dev"], Path("."))
+    [(worker, _), (embedder, role)] = workers(docs)
+    variables = env(container(embedder, role))
+    assert variables["LLMFLEET_RUNNER"]["value"] == "pooling" and variables["LLMFLEET_CONVERT"]["value"] == "embed"
+    assert served_model(docs, embedder, role) != served_model(docs, worker, "worker")
+    # Neither Deployment's selector takes the other's pods.
+    labels = [d["spec"]["template"]["metadata"]["labels"] for d in (worker, embedder)]
+    assert not selects(worker["spec"]["selector"], labels[1]) and not selects(embedder["spec"]["selector"], labels[0])
 
 
 # --- monitoring -------------------------------------------------------------------------
