@@ -1,8 +1,9 @@
 """The compose stack end to end: docker-compose.yml as users run it, built and brought up with
 docker-compose 1.29 (tests/compose/conftest.py). Redis, two gateways behind nginx, two scripted
 workers (model "scripted", 8 requests at a time each, 20 tokens/s), one vLLM CPU worker on the
-tiny model ("tiny"), Prometheus and Alertmanager. The tests run in file order on one stack; each
-leaves it as it found it, except the last, which stops the vLLM worker.
+tiny model ("tiny"), a scripted encoder ("scripted-embed"), Prometheus and Alertmanager. The
+tests run in file order on one stack; each leaves it as it found it, except the last, which
+stops the vLLM worker.
 """
 
 from __future__ import annotations
@@ -224,6 +225,9 @@ def test_every_target_is_up_and_every_dashboard_panel_has_data(stack):
     for model in ("scripted", "tiny"):
         for _ in range(3):
             api.chat.completions.create(model=model, max_tokens=4, messages=[{"role": "user", "content": "hello"}])
+    for _ in range(3):  # and the encoder, through the same gateways
+        embedded = api.embeddings.create(model="scripted-embed", input=["hello world", "good night"])
+        assert len(embedded.data) == 2 and embedded.usage.prompt_tokens == 4
 
     def targets() -> list[dict]:
         return httpx.get(f"{prometheus}/api/v1/targets", timeout=10).json()["data"]["activeTargets"]
@@ -231,9 +235,10 @@ def test_every_target_is_up_and_every_dashboard_panel_has_data(stack):
     def all_up() -> bool:
         jobs = [t["labels"]["job"] for t in targets() if t["health"] == "up"]
         return len(jobs) == len(targets()) and jobs.count("llmfleet-gateway") == 2 and \
-            jobs.count("llmfleet-worker") == 4 and {"prometheus", "alertmanager"} <= set(jobs)
+            jobs.count("llmfleet-worker") == 5 and {"prometheus", "alertmanager"} <= set(jobs)
 
-    wait_for(all_up, 60, "every target (2 gateways, 3 scripted + 1 vLLM workers, Prometheus, Alertmanager) up",
+    wait_for(all_up, 60, "every target (2 gateways, 3 scripted + 1 encoder + 1 vLLM workers, Prometheus, "
+             "Alertmanager) up",
              interval=2)
 
     queries = _panel_queries()
