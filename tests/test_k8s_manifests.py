@@ -282,7 +282,8 @@ def test_only_gateways_workers_and_keda_reach_redis(build):
     fleet = [d["spec"]["template"]["metadata"]["labels"]
              for d in [one(docs, "Deployment", "llmfleet-gateway"), *(w for w, _ in workers(docs))]]
     same_namespace = [pods for namespaces, pods in allowed if namespaces is None]
-    assert len(same_namespace) == len(fleet) and all(any(selects(p, labels) for p in same_namespace) for labels in fleet)
+    assert len(same_namespace) == len(fleet)
+    assert all(any(selects(p, labels) for p in same_namespace) for labels in fleet)
     assert not any(selects(p, redis_pod) for p in same_namespace)
     assert [(n, p) for n, p in allowed if n is not None] == [
         ({"matchLabels": {"kubernetes.io/metadata.name": "keda"}},

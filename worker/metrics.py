@@ -2,6 +2,8 @@
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from shared.envelopes import ENCODER_KINDS
+
 REQUESTS = Counter("llmfleet_worker_requests_total", "Requests answered, by finish reason",
                    ["model", "finish_reason"])
 IN_FLIGHT = Gauge("llmfleet_worker_in_flight", "Requests running on this worker", ["model"])
@@ -39,3 +41,14 @@ ENCODED_TOKENS = Counter("llmfleet_worker_encoded_tokens_total", "Input tokens a
 ENCODE_TIME = Histogram("llmfleet_worker_encode_seconds", "From the engine taking an encoder request to its answer, "
                         "by kind of request", ["model", "kind"],
                         buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+
+
+def start_series(model: str, kinds: tuple[str, ...]) -> None:
+    """Export at 0 the series of the kinds this worker answers, before its first request: a
+    series that first appears with its first count holds no increase for `rate()` to see (the
+    dashboard's encode time would stay empty after a worker's first encodings)."""
+    for kind in kinds:
+        if kind in ENCODER_KINDS:
+            ENCODED_INPUTS.labels(model, kind)
+            ENCODED_TOKENS.labels(model, kind)
+            ENCODE_TIME.labels(model, kind)

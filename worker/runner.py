@@ -78,6 +78,7 @@ class Runner:
         self._progress: dict[str, _Progress] = {}
         self._encoding: set[str] = set()  # requests in their encoder's hands (a cancel cancels their task)
         self._background: set[asyncio.Task] = set()
+        metrics.start_series(model, kinds)
 
     @property
     def in_flight(self) -> int:

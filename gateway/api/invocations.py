@@ -41,7 +41,8 @@ async def invocations(request: Request) -> Response:
         body = orjson.loads(await request.body())
     except orjson.JSONDecodeError as exc:
         return bad_request(invalid_json_message(exc))
-    served = _kinds_served(request, body.get("model") if isinstance(body, dict) else None)
+    named = body.get("model") if isinstance(body, dict) else None
+    served = request.app.state.fleet.registry.kinds_of(named if isinstance(named, str) else None)
     candidates = [(model, handler) for kind, model, handler in HANDLERS if served is None or kind in served]
     for model, handler in candidates:
         try:
@@ -52,13 +53,3 @@ async def invocations(request: Request) -> Response:
     names = [model.__name__ for model, _ in candidates]
     return json_response(error_body(f"Cannot find suitable handler for request. Expected one of: {names}", 400,
                                     err_type="BadRequestError"), 400)
-
-
-def _kinds_served(request: Request, model: object) -> set[str] | None:
-    """What the live workers of `model` answer (of the only model served, when none is named), or
-    None when none of its workers is live."""
-    models = request.app.state.fleet.registry.models
-    view = models.get(model) if isinstance(model, str) else next(iter(models.values())) if len(models) == 1 else None
-    if view is None or not view.workers:
-        return None
-    return {kind for worker in view.workers for kind in worker.kinds}

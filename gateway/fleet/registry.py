@@ -183,6 +183,15 @@ class WorkerRegistry:
         view = self.models.get(model)
         return view is not None and bool(view.workers)
 
+    def kinds_of(self, model: str | None) -> set[str] | None:
+        """What the live workers of `model` answer (of the only model served, when none is named, as
+        `resolve` reads it), or None when no worker of it is live."""
+        view = self.models.get(model) if model is not None else \
+            next(iter(self.models.values())) if len(self.models) == 1 else None
+        if view is None or not view.workers:
+            return None
+        return {kind for worker in view.workers for kind in worker.kinds}
+
     def check_kind(self, model: str, kind: str) -> None:
         """Refuse at once (400 for the other kind of work, else 503) a request of a kind that no live
         worker of `model` accepts: queued, it would wait out its deadline, or be refused by whichever

@@ -105,7 +105,8 @@ async def _serve_parts(request: Request, fleet: Fleet, envelope: RequestEnvelope
 
 async def _run_parts(fleet: Fleet, parts: list[RequestEnvelope], endpoint: str,
                      timeout: float | None) -> list[tuple[GenerationChunk, str]]:
-    """The parts' answers and their workers, in order; the first part's error raised, once every other part is stopped."""
+    """The parts' answers and their workers, in order; or the first part's error, raised once
+    every other part is stopped."""
     view = fleet.registry.models.get(parts[0].model)
     workers = sum(1 for worker in view.workers if parts[0].kind in worker.kinds and not worker.draining) if view else 0
     window = asyncio.Semaphore(max(2, 2 * workers))

@@ -102,9 +102,10 @@ def output_ceiling(settings: GatewaySettings) -> int:
 
 
 def new_envelope(raw: dict[str, Any], kind: str, model: str, settings: GatewaySettings, *,
-                 body: Any = None, params: SamplingOptions | None = None) -> RequestEnvelope:
+                 body: Any = None, params: SamplingOptions | None = None, api: str = "") -> RequestEnvelope:
     """The envelope of a validated request (`body`: its parsed form, whose `timeout`, `stream` and
-    `cancel_id` it reads), with the gateway's deadlines, for the tenant being served."""
+    `cancel_id` it reads; `api`: the API of `raw` where its kind has several), with the gateway's
+    deadlines, for the tenant being served."""
     now = time.time()
     tenant = tenancy.current()
     accounting.note(model=model, arrival=now, tenant=tenant.name)
@@ -117,7 +118,7 @@ def new_envelope(raw: dict[str, Any], kind: str, model: str, settings: GatewaySe
         stream=body is not None and body.stream, body=raw, params=params or SamplingOptions(),
         cancel_id=body.cancel_id if body is not None else None, batch_replies=True,
         client_request_id=REQUEST_ID.get(), traceparent=tracing.current_traceparent(),
-        tenant=tenant.name, priority=tenant.priority,
+        tenant=tenant.name, priority=tenant.priority, api=api,
     )
 
 

@@ -64,10 +64,11 @@ def inputs_of(body: dict[str, Any]) -> list[Any]:
     return [value]
 
 
-def _cohere_as_vllm_reads_it(body: dict[str, Any]) -> dict[str, Any]:
+def _cohere_as_vllm_reads_it(body: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
     """A /v2/embed body as the embed body vLLM makes of it for a text model without task
     instructions: its texts (or the text of its inputs), truncated per `truncate` and `max_tokens`,
-    at `output_dimension`; an `input_type` or an image is refused in vLLM's words."""
+    at `output_dimension`; and with `truncate` NONE, the tokens an input may hold at most (None:
+    no bound but the context). An `input_type` or an image is refused in vLLM's words."""
     if body.get("input_type") is not None:
         raise InvalidRequest(f"Unsupported input_type {body['input_type']!r}. This model does not define any "
                              "input_type task instructions.")
@@ -80,11 +81,10 @@ def _cohere_as_vllm_reads_it(body: dict[str, Any]) -> dict[str, Any]:
     vllm_body: dict[str, Any] = {"input": texts, "dimensions": body.get("output_dimension")}
     most, truncate = body.get("max_tokens"), body.get("truncate", "END")
     if truncate == "NONE":
-        vllm_body["max_tokens_untruncated"] = most
-    else:
-        vllm_body["truncate_prompt_tokens"] = most if most is not None else -1
-        vllm_body["truncation_side"] = "left" if truncate == "START" else None
-    return vllm_body
+        return vllm_body, most
+    vllm_body["truncate_prompt_tokens"] = most if most is not None else -1
+    vllm_body["truncation_side"] = "left" if truncate == "START" else None
+    return vllm_body, None
 
 
 def score_sides(body: dict[str, Any], kind: str) -> tuple[list[Any], list[Any]]:
@@ -120,7 +120,8 @@ class ScriptedEncoder(EncoderAdapter):
         self._engine = asyncio.Lock()  # the compute its requests share
 
     async def encode(self, request: RequestEnvelope) -> GenerationChunk:
-        body = _cohere_as_vllm_reads_it(request.body) if request.api == "cohere" else request.body
+        body, untruncated_max = _cohere_as_vllm_reads_it(request.body) if request.api == "cohere" \
+            else (request.body, None)
         if request.kind in ("score", "rerank"):
             first, second = score_sides(body, request.kind)
             texts = [self._tokens(words_of(item), body) for item in first + second]
@@ -131,10 +132,10 @@ class ScriptedEncoder(EncoderAdapter):
             pooled = [_pooled(np.array([float(np.dot(q, d))], dtype=np.float32)) for q, d in pairs]
         else:
             texts = [self._tokens(words_of(item), body) for item in inputs_of(body)]
-            if (most := body.get("max_tokens_untruncated")) is not None:
+            if untruncated_max is not None:
                 for tokens in texts:
-                    if len(tokens) > most:
-                        raise InvalidRequest(f"Input of {len(tokens)} tokens exceeds max_tokens={most} with "
+                    if len(tokens) > untruncated_max:
+                        raise InvalidRequest(f"Input of {len(tokens)} tokens exceeds max_tokens={untruncated_max} with "
                                              "truncate=NONE. Set truncate to END or START to allow truncation.")
             vectors = [self._vector(tokens) for tokens in texts]
             if request.kind == "classify" or (request.kind == "pooling" and "classify" in self.kinds):

@@ -42,8 +42,7 @@ async def _serve(kind: str, endpoint: str, body: EncoderRequest | CohereEmbedReq
                              "(--max-encoder-inputs). Send them in several requests.", param="input",
                              code="too_many_inputs")
     view = await fleet.registry.resolve(body.model)
-    envelope = new_envelope(await request_json(request), kind, view.name, fleet.settings, body=body)
-    envelope.api = api
+    envelope = new_envelope(await request_json(request), kind, view.name, fleet.settings, body=body, api=api)
     own_timeout = body.timeout if body.timeout and body.timeout <= fleet.settings.request_timeout_s else None
     return await serve_encoding(request, fleet, envelope, endpoint, lambda terminal: write(terminal, envelope),
                                 own_timeout)
