@@ -91,10 +91,19 @@ class Run:
         self._heard_at = 0.0  # when (monotonic) its worker last sent something
 
     async def chunks(self) -> AsyncIterator[GenerationChunk]:
-        """Every chunk of the request, in order, ending with its terminal chunk."""
+        """Every chunk of the request, in order, ending with its terminal chunk.
+
+        Coalesced under backlog only: while more of the request's replies are already waiting here
+        (the client's relay fell behind its worker), neighbouring deltas are merged into one, as the
+        worker's publisher merges what queued behind its last write. Nothing is held back to wait
+        for more: a delta goes out as soon as nothing else of the request is waiting."""
         # The worker ends a generation at its deadline; the grace lets that ending arrive first.
         deadline = self.envelope.deadline + DEADLINE_GRACE_S
+        held: GenerationChunk | None = None  # a delta that the next one, already waiting, may join
         while not self.finished:
+            if held is not None and self._replies.empty():
+                yield held
+                held = None
             envelope = await self._replies.get()
             if envelope is None:  # a silence of up to SILENCE_CHECK_S (ReplyRouter.watch_silence)
                 self._check_alive(deadline)
@@ -105,6 +114,10 @@ class Run:
             self.worker_id = envelope.worker_id
             self._heard_at = time.monotonic()
             if envelope.seq >= 0:  # -1: an ending the gateway made itself
+                if envelope.lease > self._lease or envelope.seq != self._next_seq:
+                    if held is not None:  # what came before the break still reaches the client
+                        yield held
+                        held = None
                 if envelope.lease > self._lease:
                     self._follow_lease(envelope.lease)
                 if envelope.seq != self._next_seq:
@@ -117,7 +130,18 @@ class Run:
                     self.finished = True
                 if self.grant is not None:
                     self.grant.count(chunk)
-                yield chunk
+                if held is not None:
+                    if held.can_absorb(chunk):
+                        held.absorb(chunk)
+                        continue
+                    yield held
+                    held = None
+                if chunk.is_delta_only:
+                    held = chunk
+                else:
+                    yield chunk
+        if held is not None:
+            yield held
 
     def wake_at_queue_deadline(self) -> None:
         """Have the run look around at its queue deadline (a silence, as the router's periodic one),
