@@ -3,12 +3,13 @@
 Runs, in order, each on fresh processes: gateway capacity (scripted engine), the engine path
 (`vllm bench serve` against vllm serve, llmfleet and LiteLLM), cancel latency (vLLM worker),
 fair share between tenants (scripted workers), cache affinity (scripted, scripted with a
-bounded cache, then vLLM workers) and embeddings (encoder workers against `vllm serve --runner pooling`).
+bounded cache, then vLLM workers), embeddings (encoder workers against `vllm serve --runner pooling`)
+and the Rust routers (vllm-router and sglang-router in front of `vllm serve`, against llmfleet).
 Progress goes to stderr; each part writes bench/results/NAME.json and its PNG; then
 docs/benchmarks.md is rebuilt from those results (`bench.report`).
 
     python -m bench [--quick] [--before REF] [--only gateway,engine,cancel,fairness,affinity,affinity-bounded,
-                                                     affinity-vllm,embeddings]
+                                                     affinity-vllm,embeddings,routers]
 
 `--quick` is a smoke run of a few minutes; its report goes to bench/results/benchmarks.md and
 leaves docs/ alone. `--before REF` adds llmfleet as of git revision REF to the relay
@@ -23,7 +24,7 @@ import sys
 import time
 import traceback
 
-from bench import affinity, cancel_latency, embeddings, engine_path, fair_share, gateway_capacity, report
+from bench import affinity, cancel_latency, embeddings, engine_path, fair_share, gateway_capacity, report, routers
 
 PARTS = {
     "gateway": lambda args: gateway_capacity.main(["--quick"] * args.quick + (["--before", args.before]
@@ -37,6 +38,7 @@ PARTS = {
                                                     *["--quick"] * args.quick]),
     "affinity-vllm": lambda args: affinity.main(["--engine", "vllm", *["--quick"] * args.quick]),
     "embeddings": lambda args: embeddings.main(["--quick"] * args.quick),
+    "routers": lambda args: routers.main(["--quick"] * args.quick),
 }
 
 

@@ -14,13 +14,14 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from bench import affinity, embeddings, engine_path, fair_share, gateway_capacity
+from bench import affinity, embeddings, engine_path, fair_share, gateway_capacity, routers
 from bench.common import RESULTS, ROOT
 
 DOCS = ROOT / "docs"
 NOTES = ROOT / "bench" / "notes.md"
 PLOTS = ("engine_path.png", "relay_throughput.png", "gateway_ttft.png", "gateway_streams.png", "cancel_latency.png",
-         "fair_share.png", "affinity.png", "affinity_bounded.png", "affinity_vllm.png", "embeddings.png")
+         "fair_share.png", "affinity.png", "affinity_bounded.png", "affinity_vllm.png", "embeddings.png",
+         "routers.png")
 
 HEADER = """# Benchmarks
 
@@ -133,6 +134,8 @@ def render(quick: bool) -> str:
         out += affinity.section(cache)
     if encoders := _load("embeddings"):
         out += embeddings.section(encoders)
+    if against := _load("routers"):
+        out += routers.section(against)
     if NOTES.exists():
         out += ["", NOTES.read_text().strip()]
     return "\n".join(out) + "\n"

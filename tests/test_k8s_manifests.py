@@ -290,13 +290,14 @@ def test_only_gateways_workers_and_keda_reach_redis(build):
          {"matchLabels": {"app.kubernetes.io/name": "keda-operator"}})]
 
 
-@pytest.mark.parametrize("which", [0, 1])
-def test_workers_scale_on_the_served_models_stream(build, which):
+def test_workers_scale_on_the_served_models_stream(build):
     _, docs = build
-    if which >= len(workers(docs)):
-        pytest.skip("no embedding workers in this build")
+    for worker, role in workers(docs):
+        _scales_on_its_models_stream(docs, worker, role)
+
+
+def _scales_on_its_models_stream(docs: list[dict], worker: dict, role: str) -> None:
     settings = config(docs)
-    worker, role = workers(docs)[which]
     scaled = one(docs, "ScaledObject", worker["metadata"]["name"])
     trigger, total = scaled["spec"]["triggers"]
     assert trigger["type"] == "redis-streams"

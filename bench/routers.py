@@ -1,0 +1,211 @@
+"""llmfleet against the Rust routers: `vllm bench serve` through each, in one run.
+
+What users who outgrow one `vllm serve` put in front of it: vLLM's own `vllm-router` and SGLang's
+`sglang-router` (both Rust, both from PyPI, each installed on first use into a venv of its own
+under ~/.cache/llmfleet, so neither can disturb this project's dependencies; default options,
+one worker URL). Four servers, all up at once and measured back to back, alternating, so the
+machine's drift hits each alike:
+
+- `vllm serve` alone: the baseline;
+- `vllm-router` in front of that same `vllm serve`;
+- `sglang-router` in front of it too;
+- llmfleet: one gateway, Redis, one vLLM worker (its own engine, with the same options).
+
+The load is vLLM's own client (`vllm bench serve`, random dataset, 128 tokens in and out,
+`--ignore-eos`) at each concurrency, `--rounds` times per server (the median is kept).
+CPU per output token beside the engine: every process of a server but vLLM's engine core (the
+API server; the router; llmfleet's gateway, Redis and worker process), per token generated,
+also as a ratio to `vllm serve`'s API server's. A router's row is its own process plus the
+`vllm serve` API server behind it.
+
+    python -m bench.routers [--quick] [--rounds N] [--concurrency 1,8,32,64,128]
+
+Writes bench/results/routers.json and .png, prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.common import ENGINE_ARGS, ENGINE_ENV, RESULTS, cpu_seconds, plot_bars, progress, save
+from bench.engine_path import Backends, bench_serve, start_vllm_serve, vllm_cli_env
+from tests.procs import Proc, free_port, spawn, wait_until_answers
+
+CACHE = Path.home() / ".cache" / "llmfleet"
+ROUTERS = {"vllm-router": "vllm-router==0.1.17", "sglang-router": "sglang-router==0.3.2"}
+LAUNCH = {"vllm-router": "vllm_router.launch_router", "sglang-router": "sglang_router.launch_router"}
+METRICS = ("output_throughput", "p50_ttft_ms", "p99_ttft_ms", "p50_itl_ms", "p99_itl_ms")
+TOKENS = 128
+
+
+def ensure_router(name: str) -> Path | str:
+    """The router's venv python, installing it on first use; a reason string if it cannot be had."""
+    requirement = ROUTERS[name]
+    venv = CACHE / f"{name}-venv"
+    python = venv / "bin" / "python"
+    if python.exists() and subprocess.run([str(python), "-m", "pip", "show", "-q", requirement.split("==")[0]],
+                                          capture_output=True, check=False).returncode == 0:
+        return python
+    sys.stderr.write(f"installing {requirement} into {venv} (first use)...\n")
+    try:
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", requirement], check=True, capture_output=True,
+                       timeout=900)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+        output = getattr(exc, "stderr", b"") or b""
+        return f"`pip install {requirement}` failed: {output.decode(errors='replace')[-300:]}"
+    return python
+
+
+def start_router(name: str, python: Path, upstream: str) -> Proc:
+    port = free_port()
+    proc = spawn(name, [str(python), "-m", LAUNCH[name], "--host", "127.0.0.1", "--port", str(port),
+                        "--worker-urls", upstream], {})
+    proc.url = f"http://127.0.0.1:{port}"
+    return proc
+
+
+class Servers(Backends):
+    """vllm serve, the routers in front of it and llmfleet, all started; stopped on exit by PID."""
+
+    def start_all(self, model_dir: Path, env: dict) -> dict[str, str]:
+        sys.stderr.write("starting vllm serve and an llmfleet vLLM worker on the tiny model (about a minute)...\n")
+        serve = self._own(start_vllm_serve(model_dir, env))
+        urls = {"vllm serve": serve.url}
+        self.frontends = {"vllm serve": [serve.pid]}
+        self._start_llmfleet("llmfleet", model_dir, urls)
+        wait_until_answers(serve, "/v1/models", 600)
+        self.skipped = {}
+        for name in ROUTERS:
+            python = ensure_router(name)
+            if isinstance(python, str):
+                self.skipped[name] = python
+                continue
+            router = self._own(start_router(name, python, serve.url))
+            try:
+                wait_until_answers(router, "/v1/models", 120)
+            except (TimeoutError, RuntimeError) as exc:
+                self.skipped[name] = f"did not start: {exc}; log tail: {router.log()[-300:]}"
+                continue
+            urls[name] = router.url
+            self.frontends[name] = [serve.pid, router.pid]
+        return urls
+
+
+def run(concurrencies: list[int], rounds: int) -> dict:
+    from worker.tiny_model import write_tiny_model
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="routers-") as scratch, vllm_cli_env() as env, Servers() as servers:
+        model_dir = write_tiny_model(Path(scratch) / "tiny")
+        urls = servers.start_all(model_dir, env)
+        for url in urls.values():  # warm-up: first requests pay one-off costs (caches, connections)
+            bench_serve(url, model_dir, {"input": TOKENS, "output": 16, "concurrency": 4, "prompts": 8}, env,
+                        Path(scratch) / "warmup.json")
+        steps, done = len(concurrencies) * rounds * len(urls), 0
+        for concurrency in concurrencies:
+            case = {"input": TOKENS, "output": TOKENS, "concurrency": concurrency, "prompts": max(16, 4 * concurrency)}
+            runs: dict[str, list[dict]] = {name: [] for name in urls}
+            cpu = dict.fromkeys(urls, 0.0)
+            tokens = dict.fromkeys(urls, 0)
+            for _ in range(rounds):  # alternating: drift hits every server alike
+                for name, url in urls.items():
+                    before = sum(cpu_seconds(pid) for pid in servers.frontends[name])
+                    result = bench_serve(url, model_dir, case, env, Path(scratch) / f"{done}.json")
+                    cpu[name] += sum(cpu_seconds(pid) for pid in servers.frontends[name]) - before
+                    tokens[name] += result["completed"] * TOKENS
+                    # --ignore-eos: every request is exactly TOKENS long, whatever a proxy's stream reports.
+                    runs[name].append({**{m: result[m] for m in METRICS},
+                                       "output_throughput": result["completed"] * TOKENS / result["duration"],
+                                       "failed": result["failed"]})
+                    done += 1
+                    progress("routers (vllm bench serve runs)", done, steps)
+            for name in urls:
+                row = {"server": name, "concurrency": concurrency,
+                       **{m: statistics.median(r[m] for r in runs[name]) for m in METRICS},
+                       "failed": sum(r["failed"] for r in runs[name]),
+                       "cpu_ms_per_token": 1000 * cpu[name] / max(1, tokens[name])}
+                rows.append(row)
+        skipped = servers.skipped
+    _add_ratios(rows)
+    return {"measured_at": time.strftime("%Y-%m-%d %H:%M"), "engine_args": ENGINE_ARGS, "engine_env": ENGINE_ENV,
+            "rounds": rounds, "rows": rows, "skipped": skipped,
+            "routers": ROUTERS}
+
+
+def _add_ratios(rows: list[dict]) -> None:
+    """Each row against vllm serve's at its concurrency, and llmfleet's against the best router's."""
+    for row in rows:
+        base = next(r for r in rows if r["server"] == "vllm serve" and r["concurrency"] == row["concurrency"])
+        row["throughput_ratio"] = row["output_throughput"] / base["output_throughput"]
+        row["cpu_ratio"] = row["cpu_ms_per_token"] / base["cpu_ms_per_token"]
+    for row in rows:
+        if row["server"] != "llmfleet":
+            continue
+        routers = [r for r in rows if r["server"] in ROUTERS and r["concurrency"] == row["concurrency"]]
+        if routers:
+            row["vs_best_router"] = {
+                "throughput": row["output_throughput"] / max(r["output_throughput"] for r in routers),
+                "cpu_per_token": row["cpu_ms_per_token"] / min(r["cpu_ms_per_token"] for r in routers),
+                "p99_ttft": row["p99_ttft_ms"] / min(r["p99_ttft_ms"] for r in routers)}
+
+
+def table(result: dict) -> str:
+    lines = ["| concurrency | server | output tok/s | vs vllm serve | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
+             "CPU ms/token beside the engine | vs vllm serve's API server |", "|---|---|---|---|---|---|---|---|"]
+    for row in result["rows"]:
+        lines.append(f"| {row['concurrency']} | {row['server']} | {row['output_throughput']:.0f} | "
+                     f"{row['throughput_ratio']:.2f}x | {row['p50_ttft_ms']:.0f} / {row['p99_ttft_ms']:.0f} | "
+                     f"{row['p50_itl_ms']:.1f} / {row['p99_itl_ms']:.1f} | {row['cpu_ms_per_token']:.3f} | "
+                     f"{row['cpu_ratio']:.2f}x |")
+    against = [row for row in result["rows"] if "vs_best_router" in row]
+    if against:
+        lines += ["", "llmfleet against the best router at each concurrency (targets: throughput ≥ 0.95x, CPU per "
+                      "token ≤ 1.05x, TTFT p99 ≤ 1.00x):", "",
+                  "| concurrency | throughput | CPU per token | TTFT p99 |", "|---|---|---|---|"]
+        for row in against:
+            best = row["vs_best_router"]
+            lines.append(f"| {row['concurrency']} | {best['throughput']:.2f}x | {best['cpu_per_token']:.2f}x | "
+                         f"{best['p99_ttft']:.2f}x |")
+    for name, why in result.get("skipped", {}).items():
+        lines.append(f"\n{name}: not measured: {why}")
+    return "\n".join(lines)
+
+
+def section(result: dict) -> list[str]:
+    """This part's section of docs/benchmarks.md."""
+    return ["", "## Against the Rust routers: vllm-router and sglang-router in front of vllm serve", "",
+            (f"`python -m bench.routers`: `vllm bench serve` ({TOKENS} tokens in and out, `--ignore-eos`) against "
+             f"`vllm serve` alone, {', '.join(result['routers'].values())} in front of it (default options), and "
+             f"llmfleet (gateway, Redis, one vLLM worker), alternating, median of {result['rounds']} runs per server "
+             "and concurrency. CPU per token counts every process beside the engine core."), "", table(result), "",
+            "![routers](routers.png)"]
+
+
+def plot(result: dict) -> None:
+    names = list(dict.fromkeys(row["server"] for row in result["rows"]))
+    panels = {}
+    for concurrency in sorted({row["concurrency"] for row in result["rows"]}):
+        by_name = {row["server"]: row for row in result["rows"] if row["concurrency"] == concurrency}
+        panels[f"CPU ms/token, c={concurrency}"] = [by_name[name]["cpu_ms_per_token"] for name in names]
+    plot_bars(RESULTS / "routers.png", names, panels)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: concurrency 8 and 64, 2 rounds")
+    parser.add_argument("--rounds", type=int, default=5, help="runs per server and concurrency (the median is kept)")
+    parser.add_argument("--concurrency", default="1,8,32,64,128", help="comma-separated concurrencies")
+    args = parser.parse_args(argv)
+    concurrencies = [8, 64] if args.quick else [int(c) for c in args.concurrency.split(",")]
+    return save("routers", run(concurrencies, 2 if args.quick else args.rounds), plot, table)
+
+
+if __name__ == "__main__":
+    main()
