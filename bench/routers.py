@@ -65,7 +65,9 @@ def ensure_router(name: str) -> Path | str:
 
 def start_router(name: str, python: Path, upstream: str) -> Proc:
     port = free_port()
+    # Each on a port of its own for its Prometheus exporter too: both default to the same one.
     proc = spawn(name, [str(python), "-m", LAUNCH[name], "--host", "127.0.0.1", "--port", str(port),
+                        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
                         "--worker-urls", upstream], {})
     proc.url = f"http://127.0.0.1:{port}"
     return proc
