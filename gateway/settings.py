@@ -35,7 +35,8 @@ class GatewaySettings:
                                       "one score or rerank request may (OpenAI's bound on embeddings); past it a 400.")
     encoder_part_inputs: int = setting(256, "An embeddings, classify or pooling request of more inputs is split into "
                                        "parts of this many, queued as requests of their own, so that the model's "
-                                       "workers encode it together; its answer is theirs in input order (0: never split).")
+                                       "workers encode it together; its answer is theirs in input order (0: never "
+                                       "split).")
     max_queue: int = setting(1000, "Waiting requests per model (beyond those running) before new ones get a 429.")
     max_open_requests: int = setting(20000, "Requests this gateway follows at once before a 429.")
     max_buffered_chunks: int = setting(1024, "Reply batches held for a client that stopped reading; past it "

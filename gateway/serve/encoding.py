@@ -32,11 +32,11 @@ from starlette.responses import Response
 from gateway import metrics
 from gateway.fleet.runs import Fleet
 from gateway.http import accounting
+from gateway.http.auth import current_key
 from gateway.http.errors import fleet_error_response
 from gateway.serve.generation import life_of
 from gateway.serve.life import RequestLife
 from gateway.serve.sse import ClientDisconnected, race_disconnect
-from gateway.http.auth import current_key
 from shared.envelopes import GenerationChunk, RequestEnvelope, Usage
 from shared.errors import Cancelled, FleetError, RequestTimeout, ServiceUnavailable
 

@@ -31,7 +31,8 @@ from tests.compose.harness import (
 from tests.procs import LOG_DIR
 
 # Everything the test override file needs, and no published port fixed on the host.
-SERVICES = ["redis", "gateway", "lb", "scripted", "scripted-embed", "model-init", "worker", "prometheus", "alertmanager"]
+SERVICES = ["redis", "gateway", "lb", "scripted", "scripted-embed", "model-init", "worker", "prometheus",
+            "alertmanager"]
 TIMINGS: dict[str, float] = {}
 
 
