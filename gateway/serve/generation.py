@@ -153,14 +153,19 @@ async def serve_generation(request: Request, fleet: Fleet, envelope: RequestEnve
         try:
             first, rest = await race_disconnect(request, run.first_or_error())
         except (FleetError, ClientDisconnected) as exc:
-            return _refusal(fleet, life, formatter, exc)
-        life.first_chunk(first)
-        if envelope.stream:  # the stream's body owns the request's life from here (`owner.pop_all()`)
-            writer = EventWriter(formatter, fleet.settings.sse_event_ids)
-            return SSEResponse(_sse_body(owner.pop_all(), life, writer, first, rest))
-        life.count(first)
-        body = formatter.response(first)
-        await life.settle(first)
+            refusal = _refusal(fleet, life, formatter, exc)
+        else:
+            refusal = None
+            life.first_chunk(first)
+            if envelope.stream:  # the stream's body owns the request's life from here (`owner.pop_all()`)
+                writer = EventWriter(formatter, fleet.settings.sse_event_ids)
+                return SSEResponse(_sse_body(owner.pop_all(), life, writer, first, rest))
+            life.count(first)
+            body = formatter.response(first)
+            await life.settle(first)
+    if refusal is not None:  # its life ended with the block: its history (a session's lock) first
+        await life.stored()
+        return refusal
     if formatter.include_timings:
         body["timings"] = request_timings(first, envelope.arrival)
     return json_response(body)

@@ -75,6 +75,7 @@ class RequestLife(AbstractAsyncContextManager):
         except BaseException as exc:  # not queued: nothing ran, but its history hooks run (a session's lock)
             self.outcome = Outcome(error=exc, refused=True, queued=False)
             self._ending = self.fleet.spawn(self._store())
+            await self.stored()
             raise
         self._started = time.monotonic()
         self.outcome.queued = True
@@ -118,6 +119,13 @@ class RequestLife(AbstractAsyncContextManager):
         self.outcome.terminal = terminal
         self._end()
         await asyncio.shield(self._ending)
+
+    async def stored(self) -> None:
+        """Once a request has ended without an answer (refused, failed before its first chunk):
+        wait until its history hooks have run, if it has any, before the client reads the refusal,
+        so that the client's next turn finds the session free, as after `settle`. Shielded."""
+        if self._hooks and self._ending is not None:
+            await asyncio.shield(self._ending)
 
     def _end(self) -> None:
         """Once: count the request, close its run (its cancel cause if it had not ended), and start
