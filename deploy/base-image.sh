@@ -2,8 +2,13 @@
 # Make a Debian bookworm base image from Debian's own packages, for Docker hosts that cannot pull
 # from an image registry:
 #
-#   sudo deploy/base-image.sh [TAG]          # default TAG: llmfleet-base:bookworm
+#   sudo deploy/base-image.sh [TAG]             # default TAG: llmfleet-base:bookworm
 #   docker build -f deploy/Dockerfile --build-arg BASE_IMAGE=llmfleet-base:bookworm ...
+#
+# Or in two steps, the root filesystem first (no Docker needed; CI makes it while it installs):
+#
+#   sudo deploy/base-image.sh --tar FILE        # the root filesystem as a tar
+#   deploy/base-image.sh --from FILE [TAG]      # that tar imported as TAG
 #
 # debootstrap --variant=minbase installs Essential and apt only; the result is close to the
 # upstream debian:bookworm-slim (no docs, man pages or locales; no recommended packages), so
@@ -14,7 +19,17 @@
 # Takes about half a minute.
 set -eu
 
-TAG=${1:-llmfleet-base:bookworm}
+import_tar() {  # FILE (- for standard input) TAG
+  docker import --change 'CMD ["bash"]' --change 'ENV LANG=C.UTF-8' "$1" "$2" >/dev/null
+  echo "$2"
+}
+
+TAR=
+case "${1:-}" in
+  --from) import_tar "$2" "${3:-llmfleet-base:bookworm}"; exit ;;
+  --tar) TAR=$2 ;;
+  *) TAG=${1:-llmfleet-base:bookworm} ;;
+esac
 SUITE=bookworm
 ROOTFS=$(mktemp -d /tmp/llmfleet-rootfs.XXXXXX)
 trap 'rm -rf "$ROOTFS"' EXIT
@@ -44,6 +59,8 @@ EOF
 rm -rf "$ROOTFS"/var/cache/apt/*.bin "$ROOTFS"/var/cache/apt/archives/*.deb "$ROOTFS"/var/lib/apt/lists/* \
        "$ROOTFS"/usr/share/doc/* "$ROOTFS"/usr/share/man/* "$ROOTFS"/usr/share/locale/*
 
-tar --numeric-owner -C "$ROOTFS" -c . \
-  | docker import --change 'CMD ["bash"]' --change 'ENV LANG=C.UTF-8' - "$TAG"
-echo "$TAG"
+if [ -n "$TAR" ]; then
+  tar --numeric-owner -C "$ROOTFS" -cf "$TAR.partial" . && mv "$TAR.partial" "$TAR"
+else
+  tar --numeric-owner -C "$ROOTFS" -c . | import_tar - "$TAG"
+fi

@@ -41,7 +41,8 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parent.parent
-NEVER = {"torchvision", "torchaudio", "torchcodec", "triton"}
+# Left out of the CPU worker as of the host install (the Makefile): one list, deploy/excludes-cpu.txt.
+NEVER = {line for line in (ROOT / "deploy/excludes-cpu.txt").read_text().splitlines() if line and line[0] != "#"}
 IMAGE_PYTHON = "3.11.2"  # python3 of Debian bookworm, the images' base
 CUDA_VLLM = "vllm==0.32.0"
 MARKERS = {**default_environment(), "python_full_version": IMAGE_PYTHON, "python_version": "3.11",

@@ -38,7 +38,8 @@ INFRA_IMAGE = "llmfleet-test-infra:bookworm"
 # A fixed port: the wheel server's URL is a build argument, so a new port would rebuild the
 # dependency layers.
 WHEEL_PORT = 38765
-LOCKS = [ROOT / "deploy/requirements-gateway.txt", ROOT / "deploy/requirements-worker-cpu.txt"]
+LOCKS = [ROOT / "deploy/requirements-build.txt", ROOT / "deploy/requirements-gateway.txt",
+         ROOT / "deploy/requirements-worker-cpu.txt"]
 
 
 class Unavailable(Exception):
@@ -107,10 +108,27 @@ def image_exists(tag: str) -> bool:
     return run("docker", "image", "inspect", tag, check=False).returncode == 0
 
 
+# The base image's root filesystem, made ahead (`make compose-prefetch`, beside the install in CI).
+BASE_ROOTFS = CACHE_DIR / "base-rootfs-bookworm.tar"
+
+
+def can_debootstrap() -> bool:
+    return os.geteuid() == 0 and shutil.which("debootstrap") is not None
+
+
+def make_base_rootfs(log: Path) -> None:
+    if not BASE_ROOTFS.exists() and can_debootstrap():
+        BASE_ROOTFS.parent.mkdir(parents=True, exist_ok=True)
+        run(str(ROOT / "deploy/base-image.sh"), "--tar", str(BASE_ROOTFS), log=log)
+
+
 def ensure_base_image(log: Path) -> None:
     if image_exists(BASE_IMAGE):
         return
-    if os.geteuid() != 0 or shutil.which("debootstrap") is None:
+    if BASE_ROOTFS.exists():
+        run(str(ROOT / "deploy/base-image.sh"), "--from", str(BASE_ROOTFS), BASE_IMAGE, log=log)
+        return
+    if not can_debootstrap():
         raise Unavailable(f"no {BASE_IMAGE} image, and deploy/base-image.sh needs root and debootstrap")
     run(str(ROOT / "deploy/base-image.sh"), BASE_IMAGE, log=log)
 
@@ -123,12 +141,15 @@ class WheelServer:
         self.log = log
         self.server: ThreadingHTTPServer | None = None
 
-    def __enter__(self) -> WheelServer:
+    def fetch(self) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
         for lock in LOCKS:
             if not self._has_every_wheel(lock):  # pip download would still ask the indexes (15 s)
                 run(sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(self.directory), "-r",
                     str(lock), log=self.log)
+
+    def __enter__(self) -> WheelServer:
+        self.fetch()
         handler = partial(_QuietHandler, directory=str(self.directory))
         try:
             self.server = ThreadingHTTPServer(("127.0.0.1", WHEEL_PORT), handler)

@@ -21,6 +21,7 @@ from tests.procs import (
     Proc,
     start_gateway,
     start_worker,
+    stop_all,
     wait_registered,
     wait_until_answers,
     wait_until_served,
@@ -53,10 +54,9 @@ class EncoderPair:
         return self.serve.url, self.gateway.url
 
     def stop(self) -> None:
-        if self.gateway is not None:
-            self.gateway.stop()
-        self.serve.stop(timeout=60)
-        assert self.worker.stop(timeout=60) == 0, self.worker.log()[-3000:]
+        gateways = [self.gateway] if self.gateway is not None else []
+        *_, worker = stop_all([*gateways, self.serve, self.worker], timeout=60)
+        assert worker == 0, self.worker.log()[-3000:]
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from tests.procs import (
     start_gateway,
     start_redis,
     start_worker,
+    stop_all,
     wait_registered,
     wait_until_answers,
     wait_until_served,
@@ -89,10 +90,10 @@ class ParserWorkers:
         return name
 
     def stop(self) -> None:
-        for gateway in self.gateways:
-            gateway.stop()
-        for worker in self.workers.values():
-            assert worker.stop(timeout=60) == 0, worker.log()[-3000:]
+        stop_all(self.gateways)
+        workers = list(self.workers.values())
+        for worker, status in zip(workers, stop_all(workers, timeout=60), strict=True):
+            assert status == 0, worker.log()[-3000:]
 
 
 class VllmServes:
@@ -108,8 +109,7 @@ class VllmServes:
         return {profile: proc.url for profile, proc in self.procs.items()}
 
     def stop(self) -> None:
-        for proc in self.procs.values():
-            proc.stop(timeout=60)
+        stop_all(list(self.procs.values()), timeout=60)
 
 
 @dataclass
