@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 ENGINE ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 STAMP  := $(VENV)/.installed-$(ENGINE)
 
-.PHONY: install system-deps bytecode up test test-processes compose-prefetch compose-images test-vllm test-compose test-cluster test-vllm-cluster test-compose-images test-fast soak lint clean bench parity
+.PHONY: install system-deps bytecode up test test-processes compose-prefetch compose-images test-vllm test-compose test-cluster first-phase test-vllm-gated compose-after-first-phase test-compose-images test-fast soak lint clean bench parity
 
 install: $(STAMP)
 
@@ -49,25 +49,37 @@ $(SYSTEM_STAMP): Makefile
 up: install
 	$(BIN)/llmfleet up
 
-# Every tier, in two passes, each printing its slowest tests:
-# 1. the in-process and multi-process tiers, on three pytest workers at once (they mostly wait;
-#    their gateways and scripted workers fork from a zygote, tests/zygote.py);
-# 2. two lanes side by side, each printed whole when it ends: the vLLM tier (one test at a time:
-#    a CPU engine busies its core), then the tests of the multi-key scripts and slots again on a
-#    3-primary Redis Cluster (redis+cluster://, marker `cluster`: the hash-tagged keys must hold
-#    there too); and the build of the compose tier's images, then its stack's tests.
-# (Measured: the images built beside the first pass, or three lanes at once, made timing-sensitive
-# tests fail: two cores and the vLLM engines' memory are shared.)
+# Every tier, in two phases, each tier printing its slowest tests when it ends:
+# 1. side by side: the in-process and multi-process tiers on three pytest workers (they mostly
+#    wait; their gateways and scripted workers fork from a zygote, tests/zygote.py), and the tests
+#    of the multi-key scripts and slots again on a 3-primary Redis Cluster (redis+cluster://,
+#    marker `cluster`: the hash-tagged keys must hold there too) on one. The vLLM tier starts
+#    beside them at the lowest CPU priority: its engines start on the CPU they leave idle (~35
+#    CPU-seconds each), then it waits at the gate (tests/conftest.py) for the phase's status;
+# 2. side by side: the vLLM tier's tests (one at a time: a CPU engine busies its core), and the
+#    build of the compose tier's images (their downloads were made by compose-prefetch), then its
+#    stack's tests. A failed first phase ends both at once.
+# (Measured: the images built beside the first phase, or three tiers at normal priority after it,
+# made timing-sensitive tests fail: two cores and the vLLM engines' memory are shared.)
+GATE := $(VENV)/.first-phase-status
+
 test: install system-deps bytecode
-	$(MAKE) --no-print-directory test-processes
-	$(MAKE) --no-print-directory -j2 -Otarget test-vllm-cluster test-compose-images
+	@rm -f $(GATE)
+	$(MAKE) --no-print-directory -j3 -Otarget first-phase test-vllm-gated compose-after-first-phase
+
+first-phase:
+	@$(MAKE) --no-print-directory -j2 -Otarget test-processes test-cluster; \
+	  status=$$?; echo $$status > $(GATE).partial; mv $(GATE).partial $(GATE); exit $$status
+
+test-vllm-gated: install
+	LLMFLEET_TEST_GATE=$(GATE) nice -n 19 $(BIN)/python -m pytest -q -m vllm --durations=25
+
+compose-after-first-phase: install system-deps
+	@while [ ! -e $(GATE) ]; do sleep 1; done; test "$$(cat $(GATE))" = 0
+	$(MAKE) --no-print-directory test-compose-images
 
 test-cluster: install
-	LLMFLEET_TEST_REDIS=cluster $(BIN)/python -m pytest -q -n 2 --dist worksteal -m "cluster and not vllm" --durations=10
-
-test-vllm-cluster: install
-	$(MAKE) --no-print-directory test-vllm
-	$(MAKE) --no-print-directory test-cluster
+	LLMFLEET_TEST_REDIS=cluster $(BIN)/python -m pytest -q -n 1 -m "cluster and not vllm" --durations=10
 
 test-compose-images: compose-images
 	$(MAKE) --no-print-directory test-compose

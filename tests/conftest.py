@@ -6,8 +6,10 @@ scripted workers; `vllm` tests run a real vLLM worker on the tiny model. All run
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import redis
@@ -22,6 +24,7 @@ from tests.procs import (
     start_redis,
     start_redis_cluster,
     start_worker,
+    wait_for,
     wait_until_served,
 )
 
@@ -188,8 +191,27 @@ def _engines_started_together(request: pytest.FixtureRequest):
     each fixture then waiting only for its own (one engine takes ~30 s of start-up, mostly three
     processes importing torch and vLLM one after another: several overlap)."""
     needed = {name for item in request.session.items for name in getattr(item, "fixturenames", ())}
+    started = False
     for user, starter in ENGINES.items():
         if user in needed:
             engines = request.getfixturevalue(starter)
             if isinstance(engines, ParserWorkers):
                 engines.spawn_all()
+            started = True
+    if started and os.environ.get("LLMFLEET_TEST_GATE"):
+        _wait_at_the_gate(Path(os.environ["LLMFLEET_TEST_GATE"]))
+
+
+def _wait_at_the_gate(gate: Path) -> None:
+    """`make test` starts the vLLM tier beside its first phase, at the lowest CPU priority (`nice
+    -n 19`): the engines start on the CPU that phase leaves idle, and the tests wait here until the
+    phase writes its exit status to `gate`. Then the tier goes on at normal priority (as root,
+    which can raise it again; elsewhere it stays low, among its own processes alone by then)."""
+    wait_for(gate.exists, 3600, "the first phase of `make test` to end", interval=1)
+    status = gate.read_text().strip()
+    if status != "0":
+        pytest.exit(f"the first phase failed (exit status {status}): the vLLM tier is not run", returncode=1)
+    for pid in [os.getpid(), *procs.descendants(os.getpid())]:
+        for thread in Path(f"/proc/{pid}/task").glob("*"):  # a nice value is each thread's own
+            with contextlib.suppress(OSError, ValueError):
+                os.setpriority(os.PRIO_PROCESS, int(thread.name), 0)

@@ -234,20 +234,27 @@ def test_a_whole_answers_time_to_first_token_is_its_first_tokens(vllm_stack):
     assert timings["decode_s"] > 0 and timings["ttft_s"] < timings["total_s"] - timings["decode_s"] / 2, timings
 
 
-@pytest.mark.parametrize("backend, endpoint", [("vllm", "/v1/completions"), ("openai-chat", "/v1/chat/completions")])
-def test_vllm_bench_serve_completes_every_request_against_a_default_gateway(vllm_stack, tmp_path, backend, endpoint):
-    """`vllm bench serve`, the field's standard client, reads a default gateway's streams as vllm serve's."""
+def test_vllm_bench_serve_completes_every_request_against_a_default_gateway(vllm_stack, tmp_path):
+    """`vllm bench serve`, the field's standard client, reads a default gateway's streams as vllm
+    serve's: its completions and its chat backends, run side by side (each CLI spends ~20 s
+    importing vLLM)."""
     from bench.engine_path import VENV_BIN, vllm_cli_env
 
     prompts = 12
-    with vllm_cli_env() as env:
-        done = subprocess.run([
-            str(VENV_BIN / "vllm"), "bench", "serve", "--backend", backend, "--endpoint", endpoint,
-            "--base-url", vllm_stack.gateway.url, "--model", vllm_stack.model, "--tokenizer", vllm_stack.model_dir,
-            "--dataset-name", "random", "--random-input-len", "32", "--random-output-len", "16",
-            "--num-prompts", str(prompts), "--max-concurrency", "4", "--ignore-eos", "--seed", "0",
-            "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path), "--result-filename", "result.json"],
-            env={**os.environ, **env}, capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    result = json.loads((tmp_path / "result.json").read_text())
-    assert result["completed"] == prompts and result["total_output_tokens"] == prompts * 16, result
+    runs: dict[str, subprocess.Popen] = {}
+    with vllm_cli_env() as env, contextlib.ExitStack() as stack:
+        stack.callback(lambda: [run.kill() for run in runs.values() if run.poll() is None])
+        for backend, endpoint in [("vllm", "/v1/completions"), ("openai-chat", "/v1/chat/completions")]:
+            runs[backend] = subprocess.Popen([
+                str(VENV_BIN / "vllm"), "bench", "serve", "--backend", backend, "--endpoint", endpoint,
+                "--base-url", vllm_stack.gateway.url, "--model", vllm_stack.model,
+                "--tokenizer", vllm_stack.model_dir, "--dataset-name", "random", "--random-input-len", "32",
+                "--random-output-len", "16", "--num-prompts", str(prompts), "--max-concurrency", "4",
+                "--ignore-eos", "--seed", "0", "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path),
+                "--result-filename", f"{backend}.json"],
+                env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        outputs = {backend: run.communicate(timeout=300)[0] for backend, run in runs.items()}
+    for backend, run in runs.items():
+        assert run.returncode == 0, (backend, outputs[backend][-3000:])
+        result = json.loads((tmp_path / f"{backend}.json").read_text())
+        assert result["completed"] == prompts and result["total_output_tokens"] == prompts * 16, (backend, result)
