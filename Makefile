@@ -54,13 +54,13 @@ up: install
 #    wait; their gateways and scripted workers fork from a zygote, tests/zygote.py), and the tests
 #    of the multi-key scripts and slots again on a 3-primary Redis Cluster (redis+cluster://,
 #    marker `cluster`: the hash-tagged keys must hold there too) on one. The vLLM tier starts
-#    beside them at the lowest CPU priority: its engines start on the CPU they leave idle (~35
-#    CPU-seconds each), then it waits at the gate (tests/conftest.py) for the phase's status;
+#    beside them on idle CPU only (tests/idle_cpu.py): its engines start on the CPU they leave
+#    (~35 CPU-seconds each), then it waits at the gate (tests/conftest.py) for the phase's status;
 # 2. side by side: the vLLM tier's tests (one at a time: a CPU engine busies its core), and the
 #    build of the compose tier's images (their downloads were made by compose-prefetch), then its
 #    stack's tests. A failed first phase ends both at once.
-# (Measured: the images built beside the first phase, or three tiers at normal priority after it,
-# made timing-sensitive tests fail: two cores and the vLLM engines' memory are shared.)
+# (Measured: the images built beside the first phase, three tiers at normal priority after it, or
+# the engines at nice 19 beside it, made timing-sensitive tests fail: two cores are shared.)
 GATE := $(VENV)/.first-phase-status
 
 test: install system-deps bytecode
@@ -72,7 +72,7 @@ first-phase:
 	  status=$$?; echo $$status > $(GATE).partial; mv $(GATE).partial $(GATE); exit $$status
 
 test-vllm-gated: install
-	LLMFLEET_TEST_GATE=$(GATE) nice -n 19 $(BIN)/python -m pytest -q -m vllm --durations=25
+	LLMFLEET_TEST_GATE=$(GATE) $(BIN)/python -m pytest -q -m vllm --durations=25
 
 compose-after-first-phase: install system-deps
 	@while [ ! -e $(GATE) ]; do sleep 1; done; test "$$(cat $(GATE))" = 0

@@ -14,7 +14,10 @@ Two parts, each on fresh processes:
   clients' requests of 64 inputs, and one request of 10,000 inputs, which the gateway serves in
   parts of 256 (`--encoder-part-inputs`), and, as the baseline, whole (`--encoder-part-inputs 0`).
 
-    python -m bench.embeddings [--quick] [--rounds N] [--only vllm,scripted]
+- **vllm-split** (not run by default): the large request on one real vLLM encoder worker, then
+  two, for the record (two CPU engines share this machine's two cores).
+
+    python -m bench.embeddings [--quick] [--rounds N] [--only vllm,scripted,vllm-split]
 
 Writes bench/results/embeddings.json and .png, prints a markdown table.
 """
@@ -180,6 +183,38 @@ def run_scripted(quick: bool, rounds: int) -> dict:
     return result
 
 
+def run_vllm_split(quick: bool, rounds: int) -> dict:
+    """For the record: one large request in parts on one real vLLM encoder worker, then on two. Two
+    CPU engines share this machine's two cores, so this measures the cores more than the spreading
+    (the scripted part measures that); it shows that parts reach both engines and come back whole."""
+    from worker.tiny_model import write_tiny_model
+
+    large = {"inputs": 512 if quick else 2048, "concurrency": 1, "requests": 1}
+    result = {"large_inputs": large["inputs"], "part_inputs": PART_INPUTS}
+    procs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = str(write_tiny_model(Path(tmp) / "tiny"))
+        try:
+            redis = start_redis()
+            gateway = start_gateway(redis.url, "--max-encoder-inputs", str(large["inputs"]),
+                                    "--encoder-part-inputs", str(PART_INPUTS))
+            procs += [redis, gateway]
+            for workers in (1, 2):
+                sys.stderr.write(f"starting vLLM encoder worker {workers} of 2 (about a minute)...\n")
+                procs.append(start_worker(redis.url, model_dir, *ENGINE_ARGS, *POOLING, engine="vllm",
+                                          served_name=MODEL, env=ENGINE_ENV, timeout=300))
+                wait_until_served(gateway, MODEL, timeout=60)
+                asyncio.run(measure(gateway.url, {"inputs": 2 * PART_INPUTS, "concurrency": 1, "requests": 1}, 0))
+                name = f"{workers} worker{'s' * (workers > 1)}"
+                result[name] = _median([asyncio.run(measure(gateway.url, large, seed)) for seed in range(rounds)])
+                progress("embeddings (vllm split)", workers, 2)
+        finally:
+            for proc in reversed(procs):
+                proc.stop(timeout=60)
+    result["speedup"] = result["2 workers"]["inputs_per_s"] / result["1 worker"]["inputs_per_s"]
+    return result
+
+
 def table(result: dict) -> str:
     lines = []
     if result.get("vllm"):
@@ -202,6 +237,11 @@ def table(result: dict) -> str:
                   f"({scripted['large_speedup']:.2f}x); the same request whole on 2 workers "
                   f"{scripted['2 workers, one large request whole']['inputs_per_s']:.0f} inputs/s "
                   f"({scripted['large_whole_speedup']:.2f}x: one worker takes it all)."]
+    if split := result.get("vllm_split"):
+        lines += ["", f"Real vLLM encoder workers (for the record: two CPU engines share the two cores), one request "
+                      f"of {split['large_inputs']:,} inputs in parts of {split['part_inputs']}: 1 worker "
+                      f"{split['1 worker']['inputs_per_s']:.0f} inputs/s, 2 workers "
+                      f"{split['2 workers']['inputs_per_s']:.0f} inputs/s ({split['speedup']:.2f}x)."]
     return "\n".join(lines)
 
 
@@ -228,12 +268,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a smoke run: fewer workloads and requests")
     parser.add_argument("--rounds", type=int, default=3, help="measurements of each workload (the median is kept)")
-    parser.add_argument("--only", default="vllm,scripted", help="the parts to run: vllm, scripted")
+    parser.add_argument("--only", default="vllm,scripted", help="the parts to run: vllm, scripted, vllm-split")
     args = parser.parse_args(argv)
     parts = set(args.only.split(","))
     result = {"measured_at": time.strftime("%Y-%m-%d %H:%M"), "rounds": args.rounds,
               "vllm": run_vllm(args.quick, args.rounds) if "vllm" in parts else [],
-              "scripted": run_scripted(args.quick, args.rounds) if "scripted" in parts else None}
+              "scripted": run_scripted(args.quick, args.rounds) if "scripted" in parts else None,
+              "vllm_split": run_vllm_split(args.quick, args.rounds) if "vllm-split" in parts else None}
     return save("embeddings", result, plot, table)
 
 

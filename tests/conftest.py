@@ -6,7 +6,6 @@ scripted workers; `vllm` tests run a real vLLM worker on the tiny model. All run
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -15,7 +14,8 @@ import pytest
 import redis
 
 from shared import redis_pool
-from tests.parity.encoders import EncoderPair
+from tests.parity.encoders import CLASSIFIER, CLASSIFIER_OPTIONS, EncoderPair
+from tests.idle_cpu import IdleCpu
 from tests.parity.harness import ParserWorkers, VllmServes
 from tests import procs
 from tests.procs import (
@@ -162,6 +162,15 @@ def encoder_pair(redis_url: str, tiny_model_dir: str):
     pair.stop()
 
 
+@pytest.fixture(scope="session")
+def classifier_pair(redis_url: str, tiny_model_dir: str):
+    """The tiny model as a classifier, on llmfleet's vLLM encoder worker and on `vllm serve --runner
+    pooling --convert classify`, started with the session's other engines."""
+    pair = EncoderPair(redis_url, tiny_model_dir, CLASSIFIER, CLASSIFIER_OPTIONS)
+    yield pair
+    pair.stop()
+
+
 MORTAL_MODEL = "tiny-mortal"  # served by the workers tests/faults/test_vllm_worker_deaths.py kills
 
 
@@ -182,7 +191,7 @@ def mortal_worker(redis_url: str, tiny_model_dir: str):
 
 # The session fixtures that start vLLM engines, and which one starts each without waiting for it.
 ENGINES = {"vllm_stack": "parser_workers", "parser_workers": "parser_workers", "vllm_serves": "vllm_serves",
-           "mortal_worker": "mortal_worker", "encoder_pair": "encoder_pair"}
+           "mortal_worker": "mortal_worker", "encoder_pair": "encoder_pair", "classifier_pair": "classifier_pair"}
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -191,27 +200,29 @@ def _engines_started_together(request: pytest.FixtureRequest):
     each fixture then waiting only for its own (one engine takes ~30 s of start-up, mostly three
     processes importing torch and vLLM one after another: several overlap)."""
     needed = {name for item in request.session.items for name in getattr(item, "fixturenames", ())}
-    started = False
-    for user, starter in ENGINES.items():
-        if user in needed:
+    starters = list(dict.fromkeys(starter for user, starter in ENGINES.items() if user in needed))
+    gate = Path(os.environ["LLMFLEET_TEST_GATE"]) if starters and os.environ.get("LLMFLEET_TEST_GATE") else None
+    idle = IdleCpu()
+    if gate is not None:
+        how = idle.enter()
+        request.config.pluginmanager.get_plugin("terminalreporter").write_line(
+            f"the vLLM tier starts its engines {how}, then waits for the first phase's status in {gate}")
+    try:
+        for starter in starters:
             engines = request.getfixturevalue(starter)
             if isinstance(engines, ParserWorkers):
                 engines.spawn_all()
-            started = True
-    if started and os.environ.get("LLMFLEET_TEST_GATE"):
-        _wait_at_the_gate(Path(os.environ["LLMFLEET_TEST_GATE"]))
+        if gate is not None:
+            _wait_at_the_gate(gate)
+    finally:
+        idle.leave()
 
 
 def _wait_at_the_gate(gate: Path) -> None:
-    """`make test` starts the vLLM tier beside its first phase, at the lowest CPU priority (`nice
-    -n 19`): the engines start on the CPU that phase leaves idle, and the tests wait here until the
-    phase writes its exit status to `gate`. Then the tier goes on at normal priority (as root,
-    which can raise it again; elsewhere it stays low, among its own processes alone by then)."""
+    """`make test` starts the vLLM tier beside its first phase, on idle CPU only (tests/idle_cpu.py):
+    the engines start on what CPU that phase leaves, and the tests wait here until the phase writes
+    its exit status to `gate`."""
     wait_for(gate.exists, 3600, "the first phase of `make test` to end", interval=1)
     status = gate.read_text().strip()
     if status != "0":
         pytest.exit(f"the first phase failed (exit status {status}): the vLLM tier is not run", returncode=1)
-    for pid in [os.getpid(), *procs.descendants(os.getpid())]:
-        for thread in Path(f"/proc/{pid}/task").glob("*"):  # a nice value is each thread's own
-            with contextlib.suppress(OSError, ValueError):
-                os.setpriority(os.PRIO_PROCESS, int(thread.name), 0)

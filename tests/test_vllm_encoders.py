@@ -1,4 +1,4 @@
-"""The tiny model as an embedding model, on llmfleet's vLLM encoder worker and on `vllm serve`, answer by answer.
+"""The tiny model as an embedding model and as a classifier, on llmfleet's vLLM encoder worker and on `vllm serve`, answer by answer.
 
 Every case of tests/parity/encoders.py goes to both (one request at a time on each, both at
 once): the same status, and for an answer the same values (vectors and scores within 1e-5, ranks,
@@ -16,7 +16,7 @@ import numpy as np
 import openai
 import pytest
 
-from tests.parity.encoders import MODEL, cases, differences
+from tests.parity.encoders import CLASSIFIER, MODEL, cases, classifier_cases, differences
 from tests.procs import LOG_DIR
 
 pytestmark = pytest.mark.vllm
@@ -36,14 +36,14 @@ def _answer(client: httpx.Client, url: str, path: str, body: dict) -> tuple[int,
         return response.status_code, response.text
 
 
-def test_every_pooling_endpoint_answers_as_vllm_serve(servers):
-    """Both answers of each case are kept in the test logs (encoder-parity-answers.jsonl), for a look."""
-    vllm_url, fleet_url = servers
+def _compare(vllm_url: str, fleet_url: str, sent: list, log_name: str) -> list[str]:
+    """Each case to both servers (one request at a time on each, both at once); what differs.
+    Both answers of each case are kept in the test logs (`log_name`), for a look."""
     found = []
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     with httpx.Client(timeout=120) as to_vllm, httpx.Client(timeout=120) as to_fleet, ThreadPoolExecutor(1) as beside, \
-            open(LOG_DIR / "encoder-parity-answers.jsonl", "w") as log:
-        for case in cases():
+            open(LOG_DIR / log_name, "w") as log:
+        for case in sent:
             from_vllm = beside.submit(_answer, to_vllm, vllm_url, case.path, case.body)
             status, answer = _answer(to_fleet, fleet_url, case.path, case.body)
             expected_status, expected = from_vllm.result()
@@ -54,7 +54,25 @@ def test_every_pooling_endpoint_answers_as_vllm_serve(servers):
             elif status == 200:
                 dtype = "<f2" if case.body.get("embed_dtype") == "float16" else "<f4"
                 found += [f"{case.name}: {d}" for d in differences(expected, answer, dtype=dtype)[:5]]
-    assert not found, "\n".join(found)
+    return found
+
+
+def test_every_pooling_endpoint_answers_as_vllm_serve(servers):
+    assert not (found := _compare(*servers, cases(), "encoder-parity-answers.jsonl")), "\n".join(found)
+
+
+def test_every_classifier_endpoint_answers_as_vllm_serve(classifier_pair):
+    """The tiny model as a classifier (`--convert classify`) on both: classify's probabilities and
+    labels, pooling, and the same status for each bad input and each endpoint it does not serve."""
+    vllm_url, fleet_url = classifier_pair.urls()
+    sent = classifier_cases()
+    assert not (found := _compare(vllm_url, fleet_url, sent, "classifier-parity-answers.jsonl")), "\n".join(found)
+    # ... and what it compared were answers, not two refusals alike:
+    probabilities = httpx.post(f"{fleet_url}/classify", json={"model": CLASSIFIER, "input": "hello"},
+                               timeout=60).json()["data"][0]["probs"]
+    assert len(probabilities) >= 2 and abs(sum(probabilities) - 1) < 1e-5
+    cards = {m["id"]: m for m in httpx.get(f"{fleet_url}/v1/models", timeout=10).json()["data"]}
+    assert "classify" in cards[CLASSIFIER]["kinds"] and "embed" not in cards[CLASSIFIER]["kinds"]
 
 
 def test_the_sdk_embeds_as_vllm_serve_does(servers):

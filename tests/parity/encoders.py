@@ -1,10 +1,11 @@
 """`vllm serve --runner pooling` beside llmfleet's vLLM encoder worker, on the tiny model, and the cases sent to both.
 
-Both run the tiny model as an embedding model with the same options (the parity battery's engine
-options, `--runner pooling --convert embed`): embeddings, score, rerank, pooling and tokenize are
-compared answer by answer, and every bad input must get the same status. `compare` reads two
-answers as equal when their vectors and scores are within 1e-5 (base64 vectors decoded first),
-their ranks, indexes, usage and every other value are the same; the ids and `created` differ.
+Both run the tiny model as a pooling model with the same options (the parity battery's engine
+options): as an embedding model (`--convert embed`: embeddings, score, rerank, pooling and
+tokenize) and as a classifier (`--convert classify`: classify, pooling, and what else vllm serve
+answers for it), compared answer by answer; every bad input must get the same status. `compare`
+reads two answers as equal when their vectors and scores are within 1e-5 (base64 vectors decoded
+first), their ranks, indexes, usage and every other value are the same; the ids and `created` differ.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from tests.procs import (
 
 MODEL = "tiny-embed"
 OPTIONS = ["--runner", "pooling", "--convert", "embed"]
+CLASSIFIER = "tiny-classify"
+CLASSIFIER_OPTIONS = ["--runner", "pooling", "--convert", "classify"]
 TOLERANCE = 1e-5
 TOO_LONG = "word " * (MAX_MODEL_LEN + 200)
 
@@ -37,11 +40,11 @@ class EncoderPair:
     """The encoder worker (behind a gateway of its own) and `vllm serve`, started side by side;
     `urls()` once both serve."""
 
-    def __init__(self, redis_url: str, model_dir: str):
-        self.redis_url = redis_url
-        self.worker = start_worker(redis_url, model_dir, *ENGINE_OPTIONS, *OPTIONS, engine="vllm", served_name=MODEL,
+    def __init__(self, redis_url: str, model_dir: str, model: str = MODEL, options: list[str] = OPTIONS):
+        self.redis_url, self.model = redis_url, model
+        self.worker = start_worker(redis_url, model_dir, *ENGINE_OPTIONS, *options, engine="vllm", served_name=model,
                                    env=ENGINE_ENV, wait=False)
-        self.serve = _start_vllm_serve(model_dir, MODEL, OPTIONS)
+        self.serve = _start_vllm_serve(model_dir, model, options)
         self.gateway: Proc | None = None
 
     def urls(self) -> tuple[str, str]:
@@ -49,7 +52,7 @@ class EncoderPair:
         if self.gateway is None:
             self.gateway = start_gateway(self.redis_url)
             wait_registered(self.worker, 300)
-            wait_until_served(self.gateway, MODEL, timeout=60)
+            wait_until_served(self.gateway, self.model, timeout=60)
         wait_until_answers(self.serve, "/health", 300)
         return self.serve.url, self.gateway.url
 
@@ -137,6 +140,40 @@ def cases() -> list[Case]:
         Case("invocations a completion body", "/invocations", {"prompt": "a"}),
     ]
     return [Case(c.name, c.path, {"model": MODEL, **c.body}) for c in valid + invalid]
+
+
+def classifier_cases() -> list[Case]:
+    """The classifier's cases: its own endpoints, and the embedding ones, which both must refuse alike."""
+    texts = ["The sea is calm tonight.", "A tide of words", "hello"]
+    valid = [
+        Case("classify one string", "/classify", {"input": texts[0]}),
+        Case("classify strings", "/classify", {"input": texts}),
+        Case("classify token ids", "/classify", {"input": [11, 42, 300, 7]}),
+        Case("classify token id lists", "/classify", {"input": [[11, 42], [300, 7, 8, 9]]}),
+        Case("classify truncated", "/classify", {"input": TOO_LONG, "truncate_prompt_tokens": 5}),
+        Case("classify without activation", "/classify", {"input": texts, "use_activation": False}),
+        Case("classify a conversation", "/classify", {"messages": [{"role": "user", "content": texts[0]}]}),
+        Case("classify pooling", "/pooling", {"input": texts}),
+        Case("classify pooling base64", "/pooling", {"input": texts[1], "encoding_format": "base64"}),
+        Case("classify tokenize", "/tokenize", {"prompt": texts[0]}),
+        Case("classify invocations", "/invocations", {"input": texts}),
+        # Whatever vllm serve answers for these (a score from the classifier, or a refusal), llmfleet alike.
+        Case("classify score", "/score", {"text_1": "calm sea", "text_2": texts}),
+        Case("classify rerank", "/rerank", {"query": "calm sea", "documents": texts}),
+        Case("classify embeddings", "/v1/embeddings", {"input": texts[0]}),
+    ]
+    invalid = [
+        Case("classify nothing", "/classify", {"input": []}),
+        Case("classify no input", "/classify", {}),
+        Case("classify too long", "/classify", {"input": TOO_LONG}),
+        Case("classify an empty string", "/classify", {"input": ""}),
+        Case("classify a number", "/classify", {"input": 42}),
+        Case("classify token id out of vocabulary", "/classify", {"input": [5, 10_000_000]}),
+        Case("classify an empty conversation", "/classify", {"messages": []}),
+        Case("classify truncation past the context", "/classify",
+             {"input": "a", "truncate_prompt_tokens": MAX_MODEL_LEN + 1}),
+    ]
+    return [Case(c.name, c.path, {"model": CLASSIFIER, **c.body}) for c in valid + invalid]
 
 
 def differences(expected: Any, actual: Any, where: str = "$", dtype: str = "<f4") -> list[str]:
