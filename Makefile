@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 ENGINE ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 STAMP  := $(VENV)/.installed-$(ENGINE)
 
-.PHONY: install system-deps bytecode up test test-processes compose-prefetch compose-images test-vllm test-compose test-cluster first-phase test-vllm-gated compose-after-first-phase test-compose-images test-fast soak lint clean bench parity
+.PHONY: install system-deps bytecode up test test-processes compose-prefetch compose-images test-vllm test-compose test-cluster test-compose-images test-fast soak lint clean bench parity
 
 install: $(STAMP)
 
@@ -53,30 +53,15 @@ up: install
 # 1. side by side: the in-process and multi-process tiers on three pytest workers (they mostly
 #    wait; their gateways and scripted workers fork from a zygote, tests/zygote.py), and the tests
 #    of the multi-key scripts and slots again on a 3-primary Redis Cluster (redis+cluster://,
-#    marker `cluster`: the hash-tagged keys must hold there too) on one. The vLLM tier starts
-#    beside them on idle CPU only (tests/idle_cpu.py): its engines start on the CPU they leave
-#    (~35 CPU-seconds each), then it waits at the gate (tests/conftest.py) for the phase's status;
-# 2. side by side: the vLLM tier's tests (one at a time: a CPU engine busies its core), and the
-#    build of the compose tier's images (their downloads were made by compose-prefetch), then its
-#    stack's tests. A failed first phase ends both at once.
+#    marker `cluster`: the hash-tagged keys must hold there too) on one;
+# 2. side by side: the vLLM tier (one test at a time: a CPU engine busies its core), and the build
+#    of the compose tier's images (their downloads made by compose-prefetch), then its stack's tests.
 # (Measured: the images built beside the first phase, three tiers at normal priority after it, or
-# the engines at nice 19 beside it, made timing-sensitive tests fail: two cores are shared.)
-GATE := $(VENV)/.first-phase-status
-
+# the vLLM engines starting beside it, at nice 19 or in an idle CPU cgroup, failed tests or gained
+# nothing: two cores are shared, and the first phase leaves them little idle time.)
 test: install system-deps bytecode
-	@rm -f $(GATE)
-	$(MAKE) --no-print-directory -j3 -Otarget first-phase test-vllm-gated compose-after-first-phase
-
-first-phase:
-	@$(MAKE) --no-print-directory -j2 -Otarget test-processes test-cluster; \
-	  status=$$?; echo $$status > $(GATE).partial; mv $(GATE).partial $(GATE); exit $$status
-
-test-vllm-gated: install
-	LLMFLEET_TEST_GATE=$(GATE) $(BIN)/python -m pytest -q -m vllm --durations=25
-
-compose-after-first-phase: install system-deps
-	@while [ ! -e $(GATE) ]; do sleep 1; done; test "$$(cat $(GATE))" = 0
-	$(MAKE) --no-print-directory test-compose-images
+	$(MAKE) --no-print-directory -j2 -Otarget test-processes test-cluster
+	$(MAKE) --no-print-directory -j2 -Otarget test-vllm test-compose-images
 
 test-cluster: install
 	LLMFLEET_TEST_REDIS=cluster $(BIN)/python -m pytest -q -n 1 -m "cluster and not vllm" --durations=10
@@ -92,7 +77,7 @@ bytecode: install
 test-processes: install
 	$(BIN)/python -m pytest -q -n 3 --dist worksteal -m "not vllm and not compose" --durations=25
 
-# What those builds fetch from the network (the locks' wheels, the base image's root filesystem),
+# What the compose tier's image builds fetch from the network (the locks' wheels, the base image's root filesystem),
 # ahead of them: CI runs this beside its install (.ci/run), when nothing timing-sensitive runs yet.
 compose-prefetch: install system-deps
 	$(BIN)/python -m tests.compose.preparation --prefetch

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import os
 import shutil
-from pathlib import Path
 
 import pytest
 import redis
 
 from shared import redis_pool
 from tests.parity.encoders import CLASSIFIER, CLASSIFIER_OPTIONS, EncoderPair
-from tests.idle_cpu import IdleCpu
 from tests.parity.harness import ParserWorkers, VllmServes
 from tests import procs
 from tests.procs import (
@@ -24,7 +22,6 @@ from tests.procs import (
     start_redis,
     start_redis_cluster,
     start_worker,
-    wait_for,
     wait_until_served,
 )
 
@@ -165,7 +162,9 @@ def encoder_pair(redis_url: str, tiny_model_dir: str):
 @pytest.fixture(scope="session")
 def classifier_pair(redis_url: str, tiny_model_dir: str):
     """The tiny model as a classifier, on llmfleet's vLLM encoder worker and on `vllm serve --runner
-    pooling --convert classify`, started with the session's other engines."""
+    pooling --convert classify`: started when first used, not with the session's other engines (its
+    test runs last, once the parity battery's `vllm serve`s and the death tests' workers are gone:
+    nine engines at once, beside the compose tier's images, ran out of memory here)."""
     pair = EncoderPair(redis_url, tiny_model_dir, CLASSIFIER, CLASSIFIER_OPTIONS)
     yield pair
     pair.stop()
@@ -191,7 +190,7 @@ def mortal_worker(redis_url: str, tiny_model_dir: str):
 
 # The session fixtures that start vLLM engines, and which one starts each without waiting for it.
 ENGINES = {"vllm_stack": "parser_workers", "parser_workers": "parser_workers", "vllm_serves": "vllm_serves",
-           "mortal_worker": "mortal_worker", "encoder_pair": "encoder_pair", "classifier_pair": "classifier_pair"}
+           "mortal_worker": "mortal_worker", "encoder_pair": "encoder_pair"}
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -200,29 +199,7 @@ def _engines_started_together(request: pytest.FixtureRequest):
     each fixture then waiting only for its own (one engine takes ~30 s of start-up, mostly three
     processes importing torch and vLLM one after another: several overlap)."""
     needed = {name for item in request.session.items for name in getattr(item, "fixturenames", ())}
-    starters = list(dict.fromkeys(starter for user, starter in ENGINES.items() if user in needed))
-    gate = Path(os.environ["LLMFLEET_TEST_GATE"]) if starters and os.environ.get("LLMFLEET_TEST_GATE") else None
-    idle = IdleCpu()
-    if gate is not None:
-        how = idle.enter()
-        request.config.pluginmanager.get_plugin("terminalreporter").write_line(
-            f"the vLLM tier starts its engines {how}, then waits for the first phase's status in {gate}")
-    try:
-        for starter in starters:
-            engines = request.getfixturevalue(starter)
-            if isinstance(engines, ParserWorkers):
-                engines.spawn_all()
-        if gate is not None:
-            _wait_at_the_gate(gate)
-    finally:
-        idle.leave()
-
-
-def _wait_at_the_gate(gate: Path) -> None:
-    """`make test` starts the vLLM tier beside its first phase, on idle CPU only (tests/idle_cpu.py):
-    the engines start on what CPU that phase leaves, and the tests wait here until the phase writes
-    its exit status to `gate`."""
-    wait_for(gate.exists, 3600, "the first phase of `make test` to end", interval=1)
-    status = gate.read_text().strip()
-    if status != "0":
-        pytest.exit(f"the first phase failed (exit status {status}): the vLLM tier is not run", returncode=1)
+    for starter in dict.fromkeys(starter for user, starter in ENGINES.items() if user in needed):
+        engines = request.getfixturevalue(starter)
+        if isinstance(engines, ParserWorkers):
+            engines.spawn_all()

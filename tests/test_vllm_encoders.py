@@ -63,7 +63,7 @@ def test_every_pooling_endpoint_answers_as_vllm_serve(servers):
 
 def test_every_classifier_endpoint_answers_as_vllm_serve(classifier_pair):
     """The tiny model as a classifier (`--convert classify`) on both: classify's probabilities and
-    labels, pooling, and the same status for each bad input and each endpoint it does not serve."""
+    labels, pooling, and the same status for each bad input."""
     vllm_url, fleet_url = classifier_pair.urls()
     sent = classifier_cases()
     assert not (found := _compare(vllm_url, fleet_url, sent, "classifier-parity-answers.jsonl")), "\n".join(found)
@@ -72,7 +72,14 @@ def test_every_classifier_endpoint_answers_as_vllm_serve(classifier_pair):
                                timeout=60).json()["data"][0]["probs"]
     assert len(probabilities) >= 2 and abs(sum(probabilities) - 1) < 1e-5
     cards = {m["id"]: m for m in httpx.get(f"{fleet_url}/v1/models", timeout=10).json()["data"]}
-    assert "classify" in cards[CLASSIFIER]["kinds"] and "embed" not in cards[CLASSIFIER]["kinds"]
+    assert cards[CLASSIFIER]["kinds"] == ["tokenize", "detokenize", "classify", "pooling"]
+    # What it does not serve: vllm serve has no such routes for it (404); the fleet, whose other
+    # models may serve them, refuses with a 400 that says what this one serves.
+    for path, body in [("/v1/embeddings", {"input": "a"}), ("/score", {"text_1": "a", "text_2": "b"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}]})]:
+        assert httpx.post(f"{vllm_url}{path}", json={"model": CLASSIFIER, **body}, timeout=30).status_code == 404
+        refused = httpx.post(f"{fleet_url}{path}", json={"model": CLASSIFIER, **body}, timeout=30)
+        assert refused.status_code == 400 and "it serves classify" in refused.json()["error"]["message"], path
 
 
 def test_the_sdk_embeds_as_vllm_serve_does(servers):

@@ -97,6 +97,11 @@ CONFIG = {
     "torch_dtype": "float32",
     "initializer_range": 0.02,
     "use_cache": True,
+    # As a classifier (`--convert classify`), vLLM builds the score head from the language model head's
+    # rows of two of its tokens (as for bge-reranker-v2-gemma); without them the head it adds has no
+    # weights in the checkpoint, and two processes classify with different uninitialized memory.
+    "classifier_from_token": ["Ġnot", "Ġis"],
+    "method": "no_post_processing",
 }
 
 CHAT_TEMPLATE = r"""
