@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from tests.conftest import MORTAL_MODEL, mortal_vllm_worker
+from tests.parity.harness import ENGINE_START_S
 from tests.procs import metric_value, start_gateway, wait_for, wait_registered, wait_until_served
 
 pytestmark = pytest.mark.vllm
@@ -64,7 +65,7 @@ def test_vllm_worker_killed_mid_generation(vllm_stack, redis_url, tiny_model_dir
     request = {"messages": MESSAGES, "max_tokens": 1500, "temperature": 0}
     expected = httpx.post(f"{vllm_stack.gateway.url}/v1/chat/completions", timeout=120,
                           json={**request, "model": vllm_stack.model}).json()["choices"][0]["message"]["content"]
-    doomed = wait_registered(mortal_worker, 300)
+    doomed = wait_registered(mortal_worker, ENGINE_START_S)
     try:
         url = f"{vllm_stack.gateway.url}/v1/chat/completions"
         wait_until_served(vllm_stack.gateway, MORTAL_MODEL)
@@ -92,7 +93,7 @@ def test_vllm_worker_killed_mid_generation(vllm_stack, redis_url, tiny_model_dir
         assert surfaced < 6.0
         rescuer = mortal_vllm_worker(redis_url, tiny_model_dir, "--claim-idle", "1")
         spares.append(rescuer)
-        wait_registered(rescuer, 300)
+        wait_registered(rescuer, ENGINE_START_S)
         rerun.join(400)
         answer = result["response"]
         assert isinstance(answer, httpx.Response) and answer.status_code == 200, answer
@@ -104,7 +105,7 @@ def test_vllm_worker_killed_mid_generation(vllm_stack, redis_url, tiny_model_dir
 
 def test_engine_death_fails_requests_and_exits_non_zero(redis_url, tiny_model_dir, redis_client, spares):
     worker = spares.pop() if spares else mortal_vllm_worker(redis_url, tiny_model_dir)
-    wait_registered(worker, 300)
+    wait_registered(worker, ENGINE_START_S)
     gateway = start_gateway(redis_url)
     try:
         wait_until_served(gateway, MORTAL_MODEL)

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from tests.parity.battery import MAX_MODEL_LEN
-from tests.parity.harness import ENGINE_ENV, ENGINE_OPTIONS, _start_vllm_serve
+from tests.parity.harness import ENGINE_ENV, ENGINE_OPTIONS, ENGINE_START_S, _start_vllm_serve
 from tests.procs import (
     Proc,
     start_gateway,
@@ -51,9 +51,9 @@ class EncoderPair:
         """(vllm serve's, the gateway's) base URLs, once both serve the model."""
         if self.gateway is None:
             self.gateway = start_gateway(self.redis_url)
-            wait_registered(self.worker, 300)
+            wait_registered(self.worker, ENGINE_START_S)
             wait_until_served(self.gateway, self.model, timeout=60)
-        wait_until_answers(self.serve, "/health", 300)
+        wait_until_answers(self.serve, "/health", ENGINE_START_S)
         return self.serve.url, self.gateway.url
 
     def stop(self) -> None:

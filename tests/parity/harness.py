@@ -48,6 +48,10 @@ PROFILES = {
     "think": (THINK_MODEL, ["--reasoning-parser", "deepseek_r1", "--enable-prompt-tokens-details"]),
 }
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+# How long a test waits for a vLLM engine it started to serve: the vLLM tier starts seven at once
+# beside the compose tier's image builds, and a CI run here once needed more than 300 s for them.
+# Under pytest-timeout's 600 s for the test that waits.
+ENGINE_START_S = 480
 # llmfleet's workers only: few slots, so that tests can fill a worker and queue a request behind it.
 VLLM_SLOTS = 4
 
@@ -83,7 +87,7 @@ class ParserWorkers:
         name, _ = PROFILES[profile]
         if profile not in self._ready:
             self._spawn(profile)
-            wait_registered(self.workers[profile], 300)
+            wait_registered(self.workers[profile], ENGINE_START_S)
             for gateway in self.gateways:
                 wait_until_served(gateway, name, timeout=60)
             self._ready.add(profile)
@@ -105,7 +109,7 @@ class VllmServes:
 
     def urls(self) -> dict[str, str]:
         for proc in self.procs.values():
-            wait_until_answers(proc, "/health", 300)
+            wait_until_answers(proc, "/health", ENGINE_START_S)
         return {profile: proc.url for profile, proc in self.procs.items()}
 
     def stop(self) -> None:
