@@ -77,8 +77,9 @@ bytecode: install
 test-processes: install
 	$(BIN)/python -m pytest -q -n 3 --dist worksteal -m "not vllm and not compose" --durations=25
 
-# What the compose tier's image builds fetch from the network (the locks' wheels, the base image's root filesystem),
-# ahead of them: CI runs this beside its install (.ci/run), when nothing timing-sensitive runs yet.
+# What the compose tier's image builds fetch from the network (the locks' wheels, the base image's
+# root filesystem), ahead of them: CI runs this right after its install (.ci/run), when nothing
+# timing-sensitive runs yet.
 compose-prefetch: install system-deps
 	$(BIN)/python -m tests.compose.preparation --prefetch
 

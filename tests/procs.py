@@ -98,34 +98,18 @@ class Proc:
             os.kill(self.pid, signal.SIGKILL)
             self.popen.wait()
 
-
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
 
 def stop_all(procs: list[Proc], timeout: float = 30) -> list[int]:
     """Stop every process as `Proc.stop` does, side by side: SIGTERM to all, then each waited for
-    (vLLM engines each take seconds to shut down); returns their exit statuses."""
+    (vLLM engines each take seconds to shut down; a second SIGTERM from `Proc.stop` changes
+    nothing for a worker already stopping); returns their exit statuses."""
     for proc in procs:
         if proc.alive():
             os.kill(proc.pid, signal.SIGTERM)
     return [proc.stop(timeout) for proc in procs]
-
-
-def descendants(pid: int) -> list[int]:
-    """The processes under `pid`, at every depth, as /proc has them now."""
-    parents: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parents.setdefault(int(stat.read_text().rsplit(")", 1)[1].split()[1]), []).append(int(stat.parent.name))
-        except (OSError, ValueError, IndexError):
-            continue
-    found, todo = [], [pid]
-    while todo:
-        children = parents.get(todo.pop(), [])
-        found += children
-        todo += children
-    return found
 
 
 def spawn(name: str, args: list[str], env: dict[str, str] | None = None) -> Proc:

@@ -3,9 +3,9 @@
 Both run the tiny model as a pooling model with the same options (the parity battery's engine
 options): as an embedding model (`--convert embed`: embeddings, score, rerank, pooling and
 tokenize) and as a classifier (`--convert classify`: classify, pooling and tokenize), compared
-answer by answer; every bad input must get the same status. `compare`
-reads two answers as equal when their vectors and scores are within 1e-5 (base64 vectors decoded
-first), their ranks, indexes, usage and every other value are the same; the ids and `created` differ.
+answer by answer; every bad input must get the same status. `differences` reads two answers as
+equal when their vectors and scores are within 1e-5 (base64 vectors decoded first), their ranks,
+indexes, usage and every other value are the same; the ids and `created` differ.
 """
 
 from __future__ import annotations
