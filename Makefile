@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 ENGINE ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 STAMP  := $(VENV)/.installed-$(ENGINE)
 
-.PHONY: install system-deps bytecode up test test-processes compose-prefetch compose-images test-vllm test-compose test-cluster test-compose-images test-fast soak lint clean bench parity
+.PHONY: install system-deps bytecode up test test-processes compose-prefetch compose-images test-vllm test-compose test-cluster test-vllm-cluster test-compose-images test-fast soak lint clean bench parity
 
 install: $(STAMP)
 
@@ -49,22 +49,26 @@ $(SYSTEM_STAMP): Makefile
 up: install
 	$(BIN)/llmfleet up
 
-# Every tier, in two phases, each tier printing its slowest tests when it ends:
-# 1. side by side: the in-process and multi-process tiers on three pytest workers (they mostly
-#    wait; their gateways and scripted workers fork from a zygote, tests/zygote.py), and the tests
-#    of the multi-key scripts and slots again on a 3-primary Redis Cluster (redis+cluster://,
-#    marker `cluster`: the hash-tagged keys must hold there too) on one;
-# 2. side by side: the vLLM tier (one test at a time: a CPU engine busies its core), and the build
-#    of the compose tier's images (their downloads made by compose-prefetch), then its stack's tests.
-# (Measured: the images built beside the first phase, three tiers at normal priority after it, or
-# the vLLM engines starting beside it, at nice 19 or in an idle CPU cgroup, failed tests or gained
-# nothing: two cores are shared, and the first phase leaves them little idle time.)
+# Every tier, in two passes, each printing its slowest tests:
+# 1. the in-process and multi-process tiers, on three pytest workers at once (they mostly wait;
+#    their gateways and scripted workers fork from a zygote, tests/zygote.py);
+# 2. two lanes side by side, each printed whole when it ends: the vLLM tier (one test at a time:
+#    a CPU engine busies its core), then the tests of the multi-key scripts and slots again on a
+#    3-primary Redis Cluster (redis+cluster://, marker `cluster`: the hash-tagged keys must hold
+#    there too); and the build of the compose tier's images, then its stack's tests.
+# (Measured: the images built beside the first pass, three lanes at once, the vLLM engines started
+# beside the first pass, or the compose tier's tests overlapping the vLLM tier's busiest part (as
+# when its images are built faster), made timing-sensitive tests fail: two cores are shared.)
 test: install system-deps bytecode
-	$(MAKE) --no-print-directory -j2 -Otarget test-processes test-cluster
-	$(MAKE) --no-print-directory -j2 -Otarget test-vllm test-compose-images
+	$(MAKE) --no-print-directory test-processes
+	$(MAKE) --no-print-directory -j2 -Otarget test-vllm-cluster test-compose-images
 
 test-cluster: install
-	LLMFLEET_TEST_REDIS=cluster $(BIN)/python -m pytest -q -n 1 -m "cluster and not vllm" --durations=10
+	LLMFLEET_TEST_REDIS=cluster $(BIN)/python -m pytest -q -n 2 --dist worksteal -m "cluster and not vllm" --durations=10
+
+test-vllm-cluster: install
+	$(MAKE) --no-print-directory test-vllm
+	$(MAKE) --no-print-directory test-cluster
 
 test-compose-images: compose-images
 	$(MAKE) --no-print-directory test-compose
@@ -78,8 +82,8 @@ test-processes: install
 	$(BIN)/python -m pytest -q -n 3 --dist worksteal -m "not vllm and not compose" --durations=25
 
 # What the compose tier's image builds fetch from the network (the locks' wheels, the base image's
-# root filesystem), ahead of them: CI runs this right after its install (.ci/run), when nothing
-# timing-sensitive runs yet.
+# root filesystem), ahead of them, for a machine that will build them later. (CI does not: its
+# images built that much sooner put the compose tier's tests beside the vLLM tier's busiest part.)
 compose-prefetch: install system-deps
 	$(BIN)/python -m tests.compose.preparation --prefetch
 
