@@ -5,7 +5,7 @@
 #   sudo deploy/base-image.sh [TAG]             # default TAG: llmfleet-base:bookworm
 #   docker build -f deploy/Dockerfile --build-arg BASE_IMAGE=llmfleet-base:bookworm ...
 #
-# Or in two steps, the root filesystem first (no Docker needed; CI makes it while it installs):
+# Or in two steps, the root filesystem first (no Docker needed; `make compose-prefetch` does it):
 #
 #   sudo deploy/base-image.sh --tar FILE        # the root filesystem as a tar
 #   deploy/base-image.sh --from FILE [TAG]      # that tar imported as TAG

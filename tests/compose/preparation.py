@@ -152,8 +152,8 @@ def main() -> int:
 
 def prefetch() -> int:
     """Fetch what the builds will need from the network, the locks' wheels and the base image's
-    root filesystem, side by side; no Docker needed. CI runs this beside its install (where nothing
-    timing-sensitive runs yet), and the builds later find both in the cache."""
+    root filesystem, side by side; no Docker needed (`make compose-prefetch`, for a machine that
+    builds later; CI does not, see the Makefile), and the builds later find both in the cache."""
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     log = LOG_DIR / "compose-prefetch.log"
     log.write_text("")
