@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 ENGINE ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 STAMP  := $(VENV)/.installed-$(ENGINE)
 
-.PHONY: install system-deps bytecode up test test-processes compose-prefetch compose-images test-vllm test-compose test-cluster test-cluster-beside test-compose-images test-fast soak lint clean bench parity
+.PHONY: install system-deps bytecode up test test-processes compose-prefetch compose-images test-vllm test-compose test-cluster test-vllm-cluster test-compose-images test-fast soak lint clean bench parity
 
 install: $(STAMP)
 
@@ -51,26 +51,24 @@ up: install
 
 # Every tier, in two passes, each printing its slowest tests:
 # 1. the in-process and multi-process tiers, on three pytest workers at once (they mostly wait;
-#    their gateways and scripted workers fork from a zygote, tests/zygote.py); beside them, on one
-#    pytest worker, the tests of the multi-key scripts and slots again on a 3-primary Redis Cluster
-#    (redis+cluster://, marker `cluster`: the hash-tagged keys must hold there too), and the fetch
-#    of what the compose tier's image builds need from the network (the first pass leaves CPU idle
-#    in its last minutes, where the cluster pass and the fetch fit);
+#    their gateways and scripted workers fork from a zygote, tests/zygote.py);
 # 2. two lanes side by side, each printed whole when it ends: the vLLM tier (one test at a time:
-#    a CPU engine busies its core); and the build of the compose tier's images, then its stack's tests.
-# (Measured: the images built beside the first pass, the vLLM engines started beside the first
-# pass, or the compose tier's tests overlapping the vLLM tier's busiest part (as when its images
-# are built faster), made timing-sensitive tests fail: two cores are shared.)
+#    a CPU engine busies its core), then the tests of the multi-key scripts and slots again on a
+#    3-primary Redis Cluster (redis+cluster://, marker `cluster`: the hash-tagged keys must hold
+#    there too); and the build of the compose tier's images, then its stack's tests.
+# (Measured: the images built beside the first pass, three lanes at once, the vLLM engines started
+# beside the first pass, or the compose tier's tests overlapping the vLLM tier's busiest part (as
+# when its images are built faster), made timing-sensitive tests fail: two cores are shared.)
 test: install system-deps bytecode
-	$(MAKE) --no-print-directory -j3 -Otarget test-processes test-cluster-beside compose-prefetch
-	$(MAKE) --no-print-directory -j2 -Otarget test-vllm test-compose-images
+	$(MAKE) --no-print-directory test-processes
+	$(MAKE) --no-print-directory -j2 -Otarget test-vllm-cluster test-compose-images
 
 test-cluster: install
 	LLMFLEET_TEST_REDIS=cluster $(BIN)/python -m pytest -q -n 2 --dist worksteal -m "cluster and not vllm" --durations=10
 
-# The cluster pass on one pytest worker, as `make test` runs it beside the first pass.
-test-cluster-beside: install
-	LLMFLEET_TEST_REDIS=cluster $(BIN)/python -m pytest -q -n 1 -m "cluster and not vllm" --durations=10
+test-vllm-cluster: install
+	$(MAKE) --no-print-directory test-vllm
+	$(MAKE) --no-print-directory test-cluster
 
 test-compose-images: compose-images
 	$(MAKE) --no-print-directory test-compose
@@ -84,7 +82,8 @@ test-processes: install
 	$(BIN)/python -m pytest -q -n 3 --dist worksteal -m "not vllm and not compose" --durations=25
 
 # What the compose tier's image builds fetch from the network (the locks' wheels, the base image's
-# root filesystem), ahead of them: `make test` does it beside its first pass.
+# root filesystem), ahead of them, for a machine that will build them later. (CI does not: its
+# images built that much sooner put the compose tier's tests beside the vLLM tier's busiest part.)
 compose-prefetch: install system-deps
 	$(BIN)/python -m tests.compose.preparation --prefetch
 
