@@ -86,11 +86,15 @@ class Proc:
         """SIGTERM, then SIGKILL after `timeout`; returns the exit status."""
         if self.alive():
             os.kill(self.pid, signal.SIGTERM)
-            try:
-                self.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.kill(self.pid, signal.SIGKILL)
-                self.popen.wait()
+        return self.wait_or_kill(timeout)
+
+    def wait_or_kill(self, timeout: float) -> int:
+        """The exit status, once the process ends by itself or is SIGKILLed after `timeout`."""
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.kill(self.pid, signal.SIGKILL)
+            self.popen.wait()
         return self.popen.returncode
 
     def kill(self) -> None:
@@ -103,13 +107,13 @@ class Proc:
 
 
 def stop_all(procs: list[Proc], timeout: float = 30) -> list[int]:
-    """Stop every process as `Proc.stop` does, side by side: SIGTERM to all, then each waited for
-    (vLLM engines each take seconds to shut down; a second SIGTERM from `Proc.stop` changes
-    nothing for a worker already stopping); returns their exit statuses."""
+    """Stop every process as `Proc.stop` does, side by side: one SIGTERM to each, then each waited
+    for; returns their exit statuses. Never a second SIGTERM: a worker that has stopped and is
+    leaving the interpreter no longer handles it, and would end killed by it (-15)."""
     for proc in procs:
         if proc.alive():
             os.kill(proc.pid, signal.SIGTERM)
-    return [proc.stop(timeout) for proc in procs]
+    return [proc.wait_or_kill(timeout) for proc in procs]
 
 
 def spawn(name: str, args: list[str], env: dict[str, str] | None = None) -> Proc:
