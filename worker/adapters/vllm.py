@@ -100,11 +100,11 @@ class AsyncLLMLifetime:
     engine: AsyncLLM | None
 
     async def shutdown(self) -> None:
-        """As `vllm serve` ends its engine: within `--shutdown-timeout` (default 0: abort at once;
-        the worker has drained its runs by now). Without a timeout vLLM waits 5 s for the engine
-        core, then kills it anyway."""
+        """End the engine at once, as `vllm serve` does by default (its `--shutdown-timeout 0`): the
+        worker has drained its runs by now. Without a timeout vLLM waits 5 s for the engine core,
+        then kills it anyway."""
         if self.engine is not None:
-            self.engine.shutdown(timeout=self.engine.vllm_config.shutdown_timeout)
+            self.engine.shutdown(timeout=0)
 
     async def check_health(self) -> None:
         await self.engine.check_health()
