@@ -14,7 +14,7 @@ import redis
 
 from shared import redis_pool
 from tests.parity.encoders import CLASSIFIER, CLASSIFIER_OPTIONS, EncoderPair
-from tests.parity.harness import ParserWorkers, VllmServes
+from tests.parity.harness import ENGINE_ENV, ENGINE_OPTIONS, ParserWorkers, VllmServes
 from tests import procs
 from tests.procs import (
     Proc,
@@ -163,8 +163,8 @@ def encoder_pair(redis_url: str, tiny_model_dir: str):
 def classifier_pair(redis_url: str, tiny_model_dir: str):
     """The tiny model as a classifier, on llmfleet's vLLM encoder worker and on `vllm serve --runner
     pooling --convert classify`: started when first used, not with the session's other engines (its
-    test runs last, once the parity battery's `vllm serve`s and the death tests' workers are gone:
-    nine engines at once, beside the compose tier's images, ran out of memory here)."""
+    test runs after the parity battery's and the death tests', once their `vllm serve`s and workers
+    are gone: nine engines at once, beside the compose tier's images, ran out of memory here)."""
     pair = EncoderPair(redis_url, tiny_model_dir, CLASSIFIER, CLASSIFIER_OPTIONS)
     yield pair
     pair.stop()
@@ -175,9 +175,8 @@ MORTAL_MODEL = "tiny-mortal"  # served by the workers tests/faults/test_vllm_wor
 
 def mortal_vllm_worker(redis_url: str, model_dir: str, *args: str) -> Proc:
     """A vLLM worker of MORTAL_MODEL, started (not waited for)."""
-    return start_worker(redis_url, model_dir, "--max-model-len", "2048", "--enforce-eager", "--dtype", "float32",
-                        *args, engine="vllm", served_name=MORTAL_MODEL, env={"VLLM_CPU_KVCACHE_SPACE": "1"},
-                        wait=False)
+    return start_worker(redis_url, model_dir, *ENGINE_OPTIONS, *args, engine="vllm", served_name=MORTAL_MODEL,
+                        env=ENGINE_ENV, wait=False)
 
 
 @pytest.fixture(scope="session")
