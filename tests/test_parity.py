@@ -3,7 +3,9 @@
 See tests/parity/: `vllm serve` and llmfleet (gateway, Redis, vLLM worker) run side by side on
 the tiny model with the same engine options; each case goes to both and the answers are compared
 field by field, ignoring only ids and timestamps. Every valid chat/completions case is also read
-through the official openai SDK. The table and any differences go to the test log directory.
+through the official openai SDK, every Messages case through the anthropic SDK: each SDK makes
+the case's request and reads llmfleet's answer to it (tests/parity/replay.py). The table and any
+differences go to the test log directory.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import pytest
 from tests.parity import battery_messages, battery_responses
 from tests.parity.battery import build
 from tests.parity.harness import details, run_battery, running_servers, summary
+from tests.parity.replay import LIVE
 from tests.procs import LOG_DIR
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
@@ -29,7 +32,7 @@ def test_every_answer_matches_vllm_serve(tiny_model_dir, parser_workers, vllm_se
     report = summary(results)
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     (LOG_DIR / "parity-report.md").write_text(report + "\n\n" + details(results) + "\n")
-    print("\n" + report)
+    print("\n" + report + f"\nSDK requests that differed from their case's, sent again: {len(LIVE)} {LIVE}")
     assert all(r.identical for r in results), "\n" + report + "\n\n" + details(results)
     # What was compared covers the surface: every valid request was one `vllm serve` answered
     # (two identical errors prove nothing), and each battery sent what it is for.

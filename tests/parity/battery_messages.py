@@ -18,10 +18,10 @@ import json
 from typing import Any
 
 import anthropic
-import httpx
 
 from tests.parity.battery import THINK_MODEL, TOO_LONG, TOOLS_MODEL, Battery, Case
 from tests.parity.compare import Answer
+from tests.parity.replay import replaying
 
 MESSAGES = "/v1/messages"
 COUNT = "/v1/messages/count_tokens"
@@ -243,11 +243,13 @@ def view(answer: Answer) -> Any:
 # llmfleet against Anthropic's API, through the SDK
 
 
-def client_problems(case: Case, base_url: str) -> list[str]:
-    """Send the case to llmfleet again and read it as Anthropic's API and SDK say it must read."""
+def client_problems(case: Case, base_url: str, answer: Answer) -> list[str]:
+    """Read llmfleet's answer to the case as Anthropic's API and SDK say it must read (the SDK
+    makes the case's request and reads the answer llmfleet gave it: tests/parity/replay.py)."""
     if case.invalid:
-        return _error_problems(case, base_url)
-    client = anthropic.Anthropic(base_url=base_url, api_key="sk-unused", max_retries=0, timeout=300)
+        return _error_problems(answer)
+    client = anthropic.Anthropic(base_url=base_url, api_key="sk-unused", max_retries=0, timeout=300,
+                                 http_client=replaying(case, answer))
     try:
         if case.path == COUNT:
             body = {k: v for k, v in case.body.items() if k not in ("model", "messages")}
@@ -266,17 +268,12 @@ def client_problems(case: Case, base_url: str) -> list[str]:
         return [f"anthropic SDK: {type(exc).__name__}: {exc}"]
     problems = [] if result.id.startswith("msg_") else [f"id {result.id!r} is not msg_..."]
     if not case.stream:
-        raw = httpx.post(base_url + case.path, json=case.body, timeout=300).json()
-        problems += [] if "stop_sequence" in raw else ["no stop_sequence key in the message"]
+        problems += [] if "stop_sequence" in answer.body else ["no stop_sequence key in the message"]
     return problems
 
 
-def _error_problems(case: Case, base_url: str) -> list[str]:
-    if isinstance(case.body, bytes):
-        response = httpx.post(base_url + case.path, content=case.body, timeout=300,
-                              headers={"content-type": "application/json"})
-    else:
-        response = httpx.post(base_url + case.path, json=case.body, timeout=300)
+def _error_problems(answer: Answer) -> list[str]:
+    response = answer.response
     try:
         body = response.json()
     except ValueError:

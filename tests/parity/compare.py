@@ -26,6 +26,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
+
 ID = "<id>"
 
 
@@ -35,6 +37,7 @@ class Answer:
     body: Any  # parsed JSON, or the list of SSE data payloads of a stream
     stream: bool
     raw: str = ""  # a stream's bytes as sent
+    response: httpx.Response | None = None  # as received, for the SDKs to read again (harness.replaying)
 
 
 def frames(raw: str) -> list[list[str]]:

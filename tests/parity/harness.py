@@ -25,6 +25,7 @@ import openai
 from tests.parity import battery_messages, battery_responses
 from tests.parity.battery import MAX_MODEL_LEN, THINK_MODEL, TOOLS_MODEL, Case, build
 from tests.parity.compare import Answer, differences, error_message, frame_differences, parse_sse, view
+from tests.parity.replay import replaying
 from tests.procs import (
     LOG_DIR,
     Proc,
@@ -163,19 +164,21 @@ def send(client: httpx.Client, base_url: str, case: Case) -> Answer:
     else:
         response = client.post(base_url + case.path, json=case.body)
     if case.stream and response.status_code == 200:
-        return Answer(200, parse_sse(response.text), True, response.text)
+        return Answer(200, parse_sse(response.text), True, response.text, response)
     try:
         body = response.json()
     except ValueError:
         body = {"error": {"message": response.text}}
-    return Answer(response.status_code, body, case.stream)
+    return Answer(response.status_code, body, case.stream, response=response)
 
 
-def sdk_problems(case: Case, base_url: str) -> list[str]:
-    """Send a valid chat/completions case again with the official openai SDK and read all of it."""
+def sdk_problems(case: Case, base_url: str, answer: Answer) -> list[str]:
+    """Make a valid chat/completions case's request with the official openai SDK and read all of
+    llmfleet's answer to it (`replaying`)."""
     if case.invalid or case.path not in ("/v1/chat/completions", "/v1/completions"):
         return []
-    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120,
+                           http_client=replaying(case, answer))
     create = client.chat.completions.create if case.path == "/v1/chat/completions" else client.completions.create
     known = set(inspect.signature(create).parameters)
     kwargs = {k: v for k, v in case.body.items() if k in known}
@@ -226,9 +229,9 @@ def run_battery(servers: Servers, cases: list[Case] | None = None) -> list[Resul
                 diffs = battery_responses.responses_differences(expected, actual)
             elif battery_messages.owns(case):
                 diffs = (differences(battery_messages.view(expected), battery_messages.view(actual))
-                         + battery_messages.client_problems(case, servers.fleet))
+                         + battery_messages.client_problems(case, servers.fleet, actual))
             else:
-                diffs = differences(view(expected), view(actual)) + sdk_problems(case, servers.fleet)
+                diffs = differences(view(expected), view(actual)) + sdk_problems(case, servers.fleet, actual)
             if expected.raw and actual.raw:
                 diffs += frame_differences(expected.raw, actual.raw, ending=case.path != battery_responses.PATH)
             answers.write(json.dumps({"case": case.name, "vllm": [vllm_answer.status, vllm_answer.body],
