@@ -97,7 +97,7 @@ test-vllm: install
 test-compose: install system-deps
 	$(BIN)/python -m pytest -q -m compose --durations=25
 
-# The soak for five minutes (`make test` runs it for one).
+# The soak for five minutes (`make test` runs it for half a minute).
 soak: install
 	LLMFLEET_SOAK_SECONDS=300 $(BIN)/python -m pytest -q tests/faults/test_soak.py
 
