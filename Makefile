@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 ENGINE ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 STAMP  := $(VENV)/.installed-$(ENGINE)
 
-.PHONY: install system-deps bytecode up test test-processes compose-prefetch compose-images test-vllm test-compose test-cluster test-vllm-cluster test-compose-images test-fast soak lint clean bench parity
+.PHONY: install system-deps bytecode up test test-processes compose-wheels compose-prefetch compose-images test-vllm test-compose test-cluster test-vllm-cluster test-compose-images test-fast soak lint clean bench parity
 
 install: $(STAMP)
 
@@ -80,6 +80,16 @@ bytecode: install
 
 test-processes: install
 	$(BIN)/python -m pytest -q -n 3 --dist worksteal -m "not vllm and not compose" --durations=25
+
+# The compose tier's wheels (the images' locks), fetched into the cache its image builds take them
+# from (tests/compose/harness.py, WheelServer). CI fetches them beside the install: both wait on the
+# network, and the builds, later, beside the vLLM tier, then fetch nothing. (Measured: the fetch
+# took 206 s there, against 30 s alone: pip starved for CPU by the engines starting.)
+COMPOSE_WHEELS := $(or $(LLMFLEET_CACHE_DIR),$(HOME)/.cache/llmfleet)/wheels
+
+compose-wheels:
+	$(PYTHON) -m pip download -q --no-deps -d $(COMPOSE_WHEELS) -r deploy/requirements-gateway.txt \
+	  -r deploy/requirements-worker-cpu.txt
 
 # What the compose tier's image builds fetch from the network (the locks' wheels, the base image's
 # root filesystem), ahead of them, for a machine that will build them later. (CI does not: its
