@@ -187,9 +187,18 @@ def mortal_worker(redis_url: str, tiny_model_dir: str):
     worker.stop(timeout=60)  # killed by its test, unless that did not run
 
 
+@pytest.fixture(scope="session")
+def mortal_spare(redis_url: str, tiny_model_dir: str):
+    """A second worker of MORTAL_MODEL, started with the session's other engines: it takes over
+    the first one's requests when that one is killed (`--claim-idle 1`), then is the next victim."""
+    worker = mortal_vllm_worker(redis_url, tiny_model_dir, "--claim-idle", "1")
+    yield worker
+    worker.stop(timeout=60)
+
+
 # The session fixtures that start vLLM engines, and which one starts each without waiting for it.
 ENGINES = {"vllm_stack": "parser_workers", "parser_workers": "parser_workers", "vllm_serves": "vllm_serves",
-           "mortal_worker": "mortal_worker", "encoder_pair": "encoder_pair"}
+           "mortal_worker": "mortal_worker", "mortal_spare": "mortal_spare", "encoder_pair": "encoder_pair"}
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,12 +1,13 @@
 """vLLM workers that die: SIGKILLed mid-generation, or their engine core dying under them. Never a hang.
 
-- A worker SIGKILLed mid-generation: its non-streaming request is rerun by the next vLLM worker of
+- A worker SIGKILLed mid-generation: its non-streaming request is rerun by another vLLM worker of
   the model with the same answer; its stream ends with a 502 error event.
 - A worker whose engine core dies under a running request: the request fails, the worker exits
   non-zero and leaves the registry.
 
-A vLLM worker takes ~30 s to start: the first test's victim starts with the session's other
-engines (tests/conftest.py `mortal_worker`), and its rescuer is the second test's victim.
+A vLLM worker takes ~30 s to start: both workers of the model start with the session's other
+engines (tests/conftest.py `mortal_worker`, `mortal_spare`). The spare is paused (SIGSTOP) while
+the first takes both requests, then takes them over; it is the second test's victim.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import MORTAL_MODEL, mortal_vllm_worker
+from tests.conftest import MORTAL_MODEL
 from tests.parity.harness import ENGINE_START_S
 from tests.procs import metric_value, start_gateway, wait_for, wait_registered, wait_until_served
+from worker.consumer import CLAIM_BLOCK_MS
 
 pytestmark = pytest.mark.vllm
 
@@ -52,26 +54,22 @@ def _kill_with_engine(worker) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-@pytest.fixture(scope="module")
-def spares():
-    """Workers of MORTAL_MODEL one test leaves running for the next to kill."""
-    left: list = []
-    yield left
-    for worker in left:
-        _kill_with_engine(worker)
-
-
-def test_vllm_worker_killed_mid_generation(vllm_stack, redis_url, tiny_model_dir, mortal_worker, spares):
+def test_vllm_worker_killed_mid_generation(vllm_stack, mortal_worker, mortal_spare):
     request = {"messages": MESSAGES, "max_tokens": 1500, "temperature": 0}
     expected = httpx.post(f"{vllm_stack.gateway.url}/v1/chat/completions", timeout=120,
                           json={**request, "model": vllm_stack.model}).json()["choices"][0]["message"]["content"]
     doomed = wait_registered(mortal_worker, ENGINE_START_S)
+    rescuer = wait_registered(mortal_spare, ENGINE_START_S)
     try:
         url = f"{vllm_stack.gateway.url}/v1/chat/completions"
         wait_until_served(vllm_stack.gateway, MORTAL_MODEL)
+        # The rescuer sits out the first part, paused: it claims nothing, and its last blocking read
+        # has ended in Redis (after CLAIM_BLOCK_MS) before the requests are sent.
+        os.kill(rescuer.pid, signal.SIGSTOP)
+        time.sleep(2 * CLAIM_BLOCK_MS / 1000)
         result: dict = {}
 
-        def whole_answer() -> None:  # waits through the death and the rescuer's start (~30 s, more when busy)
+        def whole_answer() -> None:  # waits through the death and the takeover
             try:
                 result["response"] = httpx.post(url, json={**request, "model": MORTAL_MODEL}, timeout=400)
             except httpx.HTTPError as exc:
@@ -86,26 +84,25 @@ def test_vllm_worker_killed_mid_generation(vllm_stack, redis_url, tiny_model_dir
                      "the doomed worker to run both requests")
             _kill_with_engine(doomed)
             killed_at = time.monotonic()
+            os.kill(rescuer.pid, signal.SIGCONT)
             rest = [line for line in lines if line.startswith("data: ")]
             surfaced = time.monotonic() - killed_at
         print(f"vLLM worker death surfaced to the streaming client after {surfaced:.2f}s")
         assert json.loads(rest[-2][6:])["error"]["code"] == 502 and rest[-1] == "data: [DONE]"
         assert surfaced < 6.0
-        rescuer = mortal_vllm_worker(redis_url, tiny_model_dir, "--claim-idle", "1")
-        spares.append(rescuer)
-        wait_registered(rescuer, ENGINE_START_S)
         rerun.join(400)
         answer = result["response"]
         assert isinstance(answer, httpx.Response) and answer.status_code == 200, answer
         assert answer.json()["choices"][0]["message"]["content"] == expected  # the same greedy answer
         assert metric_value(rescuer.url, "llmfleet_worker_reclaimed_total") == 2  # both; the stream got a 502
     finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(rescuer.pid, signal.SIGCONT)
         _kill_with_engine(doomed)
 
 
-def test_engine_death_fails_requests_and_exits_non_zero(redis_url, tiny_model_dir, redis_client, spares):
-    worker = spares.pop() if spares else mortal_vllm_worker(redis_url, tiny_model_dir)
-    wait_registered(worker, ENGINE_START_S)
+def test_engine_death_fails_requests_and_exits_non_zero(redis_url, redis_client, mortal_spare):
+    worker = wait_registered(mortal_spare, ENGINE_START_S)
     gateway = start_gateway(redis_url)
     try:
         wait_until_served(gateway, MORTAL_MODEL)
