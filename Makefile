@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 ENGINE ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 STAMP  := $(VENV)/.installed-$(ENGINE)
 
-.PHONY: install system-deps bytecode up test test-processes compose-wheels compose-prefetch compose-images test-vllm test-compose test-cluster test-vllm-cluster test-compose-images test-fast soak lint clean bench parity
+.PHONY: install system-deps bytecode up test test-processes compose-wheels compose-base compose-prefetch compose-images test-vllm test-compose test-cluster test-vllm-cluster test-compose-images test-fast soak lint clean bench parity
 
 install: $(STAMP)
 
@@ -84,12 +84,21 @@ test-processes: install
 # The compose tier's wheels (the images' locks), fetched into the cache its image builds take them
 # from (tests/compose/harness.py, WheelServer). CI fetches them beside the install: both wait on the
 # network, and the builds, later, beside the vLLM tier, then fetch nothing. (Measured: the fetch
-# took 206 s there, against 30 s alone: pip starved for CPU by the engines starting.)
-COMPOSE_WHEELS := $(or $(LLMFLEET_CACHE_DIR),$(HOME)/.cache/llmfleet)/wheels
+# took 206 s there, against 30 s alone: pip starved for CPU by the engines starting; with it
+# beside the install, the run took 1,362 s instead of 1,444.)
+COMPOSE_CACHE := $(or $(LLMFLEET_CACHE_DIR),$(HOME)/.cache/llmfleet)
 
 compose-wheels:
-	$(PYTHON) -m pip download -q --no-deps -d $(COMPOSE_WHEELS) -r deploy/requirements-gateway.txt \
+	$(PYTHON) -m pip download -q --no-deps -d $(COMPOSE_CACHE)/wheels -r deploy/requirements-gateway.txt \
 	  -r deploy/requirements-worker-cpu.txt
+
+# The root filesystem of the compose tier's base image (debootstrap, as root), into the same cache:
+# CI makes it beside the install too (measured 134 s in the image builds' lane, beside the vLLM
+# tier); the builds then only import it. Where it cannot be made here, the builds make the image.
+compose-base: system-deps
+	-@if [ "$$(id -u)" = 0 ] && command -v debootstrap >/dev/null; then mkdir -p $(COMPOSE_CACHE) && \
+	  { test -e $(COMPOSE_CACHE)/base-rootfs-bookworm.tar || \
+	    deploy/base-image.sh --tar $(COMPOSE_CACHE)/base-rootfs-bookworm.tar >/dev/null; }; fi
 
 # What the compose tier's image builds fetch from the network (the locks' wheels, the base image's
 # root filesystem), ahead of them, for a machine that will build them later. (CI does not: its
