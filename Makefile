@@ -93,18 +93,17 @@ compose-wheels:
 	  -r deploy/requirements-worker-cpu.txt
 
 # The root filesystem of the compose tier's base image (debootstrap, as root), into the same cache:
-# CI makes it beside the install too (measured 134 s in the image builds' lane, beside the vLLM
-# tier); the builds then only import it. Where it cannot be made here, the builds make the image.
+# the builds then only import it; where it cannot be made here, they make the image. CI does not:
+# made beside the install (134 s less in the images' lane), the images were ready 300 s sooner, and
+# the compose stack came up beside the vLLM tier's busiest part: a gateway's health check timed
+# out three times, and `up` failed (measured in a CI run here).
 compose-base: system-deps
 	-@if [ "$$(id -u)" = 0 ] && command -v debootstrap >/dev/null; then mkdir -p $(COMPOSE_CACHE) && \
 	  { test -e $(COMPOSE_CACHE)/base-rootfs-bookworm.tar || \
 	    deploy/base-image.sh --tar $(COMPOSE_CACHE)/base-rootfs-bookworm.tar >/dev/null; }; fi
 
-# What the compose tier's image builds fetch from the network (the locks' wheels, the base image's
-# root filesystem), ahead of them, for a machine that will build them later. (CI does not: its
-# images built that much sooner put the compose tier's tests beside the vLLM tier's busiest part.)
-compose-prefetch: install system-deps
-	$(BIN)/python -m tests.compose.preparation --prefetch
+# What the compose tier's image builds fetch from the network, ahead of them (both of the above).
+compose-prefetch: compose-wheels compose-base
 
 # The compose tier's images, built before its tests (which then find every layer cached).
 compose-images: install system-deps

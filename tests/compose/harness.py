@@ -107,18 +107,12 @@ def image_exists(tag: str) -> bool:
     return run("docker", "image", "inspect", tag, check=False).returncode == 0
 
 
-# The base image's root filesystem, made ahead by `make compose-prefetch` (used here when present).
+# The base image's root filesystem, made ahead by `make compose-base` (CI: beside the install), used here when present.
 BASE_ROOTFS = CACHE_DIR / "base-rootfs-bookworm.tar"
 
 
 def can_debootstrap() -> bool:
     return os.geteuid() == 0 and shutil.which("debootstrap") is not None
-
-
-def make_base_rootfs(log: Path) -> None:
-    if not BASE_ROOTFS.exists() and can_debootstrap():
-        BASE_ROOTFS.parent.mkdir(parents=True, exist_ok=True)
-        run(str(ROOT / "deploy/base-image.sh"), "--tar", str(BASE_ROOTFS), log=log)
 
 
 def ensure_base_image(log: Path) -> None:

