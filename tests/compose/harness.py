@@ -107,7 +107,7 @@ def image_exists(tag: str) -> bool:
     return run("docker", "image", "inspect", tag, check=False).returncode == 0
 
 
-# The base image's root filesystem, made ahead by `make compose-base` (CI: beside the install), used here when present.
+# The base image's root filesystem, made ahead by `make compose-base` (used here when present).
 BASE_ROOTFS = CACHE_DIR / "base-rootfs-bookworm.tar"
 
 
