@@ -93,10 +93,8 @@ compose-wheels:
 	  -r deploy/requirements-worker-cpu.txt
 
 # The root filesystem of the compose tier's base image (debootstrap, as root), into the same cache:
-# the builds then only import it; where it cannot be made here, they make the image. CI does not:
-# made beside the install (134 s less in the images' lane), the images were ready 300 s sooner, and
-# the compose stack came up beside the vLLM tier's busiest part: a gateway's health check timed
-# out three times, and `up` failed (measured in a CI run here).
+# the builds then only import it; where it cannot be made here, they make the image. CI makes it
+# beside the install: in the images' lane, beside the vLLM tier, it took 142 s (40 s alone).
 compose-base: system-deps
 	-@if [ "$$(id -u)" = 0 ] && command -v debootstrap >/dev/null; then mkdir -p $(COMPOSE_CACHE) && \
 	  { test -e $(COMPOSE_CACHE)/base-rootfs-bookworm.tar || \

@@ -162,9 +162,9 @@ def encoder_pair(redis_url: str, tiny_model_dir: str):
 @pytest.fixture(scope="session")
 def classifier_pair(redis_url: str, tiny_model_dir: str):
     """The tiny model as a classifier, on llmfleet's vLLM encoder worker and on `vllm serve --runner
-    pooling --convert classify`: started when first used, not with the session's other engines (its
-    test runs after the parity battery's and the death tests', once their `vllm serve`s and workers
-    are gone: nine engines at once, beside the compose tier's images, ran out of memory here)."""
+    pooling --convert classify`: not started with the session's other engines (nine engines at once,
+    beside the compose tier's images, ran out of memory here), but as soon as the parity battery has
+    stopped its `vllm serve`s (`start_engines_freed_by`), or when first used."""
     pair = EncoderPair(redis_url, tiny_model_dir, CLASSIFIER, CLASSIFIER_OPTIONS)
     yield pair
     pair.stop()
@@ -194,6 +194,20 @@ def mortal_spare(redis_url: str, tiny_model_dir: str):
     worker = mortal_vllm_worker(redis_url, tiny_model_dir, "--claim-idle", "1")
     yield worker
     worker.stop(timeout=60)
+
+
+# Engines that start once a test has given its own back, and not before: the test's name, and the
+# session fixtures it makes room for (each started if a test of the session uses it, not waited for).
+LATER_ENGINES = {"test_every_answer_matches_vllm_serve": ["classifier_pair"]}
+
+
+def start_engines_freed_by(request: pytest.FixtureRequest) -> None:
+    """Called by a test of LATER_ENGINES once its engines are stopped: the engines waiting for their
+    room start now, beside the tests in between, instead of when first used."""
+    needed = {name for item in request.session.items for name in getattr(item, "fixturenames", ())}
+    for fixture in LATER_ENGINES.get(request.node.originalname, []):
+        if fixture in needed:
+            request.getfixturevalue(fixture)
 
 
 # The session fixtures that start vLLM engines, and which one starts each without waiting for it.

@@ -16,6 +16,7 @@ from tests.parity import battery_messages, battery_responses
 from tests.parity.battery import build
 from tests.parity.harness import details, run_battery, running_servers, summary
 from tests.parity.replay import LIVE
+from tests.conftest import start_engines_freed_by
 from tests.procs import LOG_DIR
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
@@ -25,10 +26,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 ACCEPTED_BY_VLLM = {"unknown role"}
 
 
-def test_every_answer_matches_vllm_serve(tiny_model_dir, parser_workers, vllm_serves):
+def test_every_answer_matches_vllm_serve(tiny_model_dir, parser_workers, vllm_serves, request):
     with running_servers(tiny_model_dir, parser_workers, vllm_serves) as servers:
         results = run_battery(servers)
     vllm_serves.stop()  # no other test needs them: their memory goes back before the compose stack's engine
+    start_engines_freed_by(request)  # the classifier pair, in their place
     report = summary(results)
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     (LOG_DIR / "parity-report.md").write_text(report + "\n\n" + details(results) + "\n")
