@@ -93,8 +93,12 @@ compose-wheels:
 	  -r deploy/requirements-worker-cpu.txt
 
 # The root filesystem of the compose tier's base image (debootstrap, as root), into the same cache:
-# the builds then only import it; where it cannot be made here, they make the image. CI makes it
-# beside the install: in the images' lane, beside the vLLM tier, it took 142 s (40 s alone).
+# the builds then only import it; where it cannot be made here, they make the image. CI does not:
+# made beside the install, it took 142 s out of the images' lane, but the install took 32 s longer,
+# the vLLM tier 50 s and the compose tier's tests 72 s (they then ran beside the vLLM tier's last
+# tests): the run was no shorter (1,167 s against 1,178 s, fresh clones here), and the compose
+# tier's tests, timed, are safer alone. (Before the suite's engines ran unpinned, the compose stack
+# then came up beside the vLLM tier's busiest part, and `up` failed.)
 compose-base: system-deps
 	-@if [ "$$(id -u)" = 0 ] && command -v debootstrap >/dev/null; then mkdir -p $(COMPOSE_CACHE) && \
 	  { test -e $(COMPOSE_CACHE)/base-rootfs-bookworm.tar || \
