@@ -164,7 +164,7 @@ def classifier_pair(redis_url: str, tiny_model_dir: str):
     """The tiny model as a classifier, on llmfleet's vLLM encoder worker and on `vllm serve --runner
     pooling --convert classify`: not started with the session's other engines (nine engines at once,
     beside the compose tier's images, ran out of memory here), but as soon as the parity battery has
-    stopped its `vllm serve`s (`start_engines_freed_by`), or when first used."""
+    stopped its `vllm serve`s (`start_if_the_session_needs`), or when first used."""
     pair = EncoderPair(redis_url, tiny_model_dir, CLASSIFIER, CLASSIFIER_OPTIONS)
     yield pair
     pair.stop()
@@ -196,16 +196,11 @@ def mortal_spare(redis_url: str, tiny_model_dir: str):
     worker.stop(timeout=60)
 
 
-# Engines that start once a test has given its own back, and not before: the test's name, and the
-# session fixtures it makes room for (each started if a test of the session uses it, not waited for).
-LATER_ENGINES = {"test_every_answer_matches_vllm_serve": ["classifier_pair"]}
-
-
-def start_engines_freed_by(request: pytest.FixtureRequest) -> None:
-    """Called by a test of LATER_ENGINES once its engines are stopped: the engines waiting for their
-    room start now, beside the tests in between, instead of when first used."""
+def start_if_the_session_needs(request: pytest.FixtureRequest, *fixtures: str) -> None:
+    """Make these session fixtures now, those a test of the session uses: a test that has stopped its
+    engines starts, in their place, the ones that wait for their room (not waited for here)."""
     needed = {name for item in request.session.items for name in getattr(item, "fixturenames", ())}
-    for fixture in LATER_ENGINES.get(request.node.originalname, []):
+    for fixture in fixtures:
         if fixture in needed:
             request.getfixturevalue(fixture)
 

@@ -268,12 +268,16 @@ def test_a_model_without_workers_raises_an_alert_in_alertmanager(stack):
     stack("stop", "worker")  # the vLLM worker drains and deregisters
     stopped_at = time.monotonic()
     wait_live_workers(stack, "tiny", 0)
-    (alert,) = wait_for(lambda: active("tiny"), 120, "LlmfleetModelWithoutWorkers for tiny in Alertmanager",
-                        interval=2)
-    TIMINGS["alert_in_alertmanager_after_s"] = round(time.monotonic() - stopped_at, 1)
-    assert alert["labels"]["severity"] == "critical"
-    assert not active("scripted")
-    # What the alert says: the model's requests fail (after the queue timeout, 20 s here).
-    with pytest.raises(openai.APIStatusError) as refused:
-        client(stack).chat.completions.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
-    assert refused.value.status_code == 503
+    # What the alert says: the model's requests fail (after the queue timeout, 20 s here). One is
+    # sent now, and waits out its queue timeout while the alert fires.
+    with ThreadPoolExecutor(1) as beside:
+        refused = beside.submit(client(stack).chat.completions.create, model="tiny", max_tokens=4,
+                                messages=[{"role": "user", "content": "hi"}])
+        (alert,) = wait_for(lambda: active("tiny"), 120, "LlmfleetModelWithoutWorkers for tiny in Alertmanager",
+                            interval=2)
+        TIMINGS["alert_in_alertmanager_after_s"] = round(time.monotonic() - stopped_at, 1)
+        assert alert["labels"]["severity"] == "critical"
+        assert not active("scripted")
+        with pytest.raises(openai.APIStatusError) as failed:
+            refused.result(timeout=120)
+    assert failed.value.status_code == 503

