@@ -61,8 +61,18 @@ def run(*args: str, timeout: float = 1800, check: bool = True, env: dict[str, st
     return done
 
 
+# cgroup v1 with dockerd's cgroupfs driver (this machine, and CI's): every container, the image
+# builds' included, runs under this group, and the scheduler weighs the whole group as one process
+# group against each of the host's sessions. Beside the vLLM tier (make test), the builds then got
+# about a quarter of the two cores and were the run's last lane, while the last minutes ran the
+# compose tier alone on half-idle cores. A dockerd started here gets its group weighed as two.
+DOCKER_CPU_SHARES = Path("/sys/fs/cgroup/cpu/docker/cpu.shares")
+DOCKER_WEIGHT = 2048  # the default is 1024
+
+
 class DockerDaemon:
-    """Docker as found, or Debian's dockerd started here; stop() stops only one started here."""
+    """Docker as found, or Debian's dockerd started here (its containers weighed as two process
+    groups, DOCKER_CPU_SHARES); stop() stops only one started here."""
 
     def __init__(self):
         self.started: subprocess.Popen | None = None
@@ -87,6 +97,7 @@ class DockerDaemon:
             raise Unavailable(f"dockerd did not answer within 60 s (see {LOG_DIR / 'dockerd.log'})") from exc
         if self.started.poll() is not None:
             raise Unavailable(f"dockerd exited with {self.started.returncode} (see {LOG_DIR / 'dockerd.log'})")
+        _weigh_containers(DOCKER_WEIGHT)
 
     @staticmethod
     def _answers() -> bool:
@@ -101,6 +112,17 @@ class DockerDaemon:
         except subprocess.TimeoutExpired:
             os.kill(self.started.pid, signal.SIGKILL)
             self.started.wait()
+        _weigh_containers(1024)
+
+
+def _weigh_containers(shares: int) -> None:
+    """Best effort: where the group cannot be made or weighed (cgroup v2, systemd's driver, no
+    permission), the containers keep the scheduler's default weight."""
+    try:
+        DOCKER_CPU_SHARES.parent.mkdir(exist_ok=True)
+        DOCKER_CPU_SHARES.write_text(f"{shares}\n")
+    except OSError:
+        pass
 
 
 def image_exists(tag: str) -> bool:
