@@ -61,11 +61,12 @@ def run(*args: str, timeout: float = 1800, check: bool = True, env: dict[str, st
     return done
 
 
-# cgroup v1 with dockerd's cgroupfs driver (this machine, and CI's): every container, the image
-# builds' included, runs under this group, and the scheduler weighs the whole group as one process
-# group against each of the host's sessions. Beside the vLLM tier (make test), the builds then got
-# about a quarter of the two cores and were the run's last lane, while the last minutes ran the
-# compose tier alone on half-idle cores. A dockerd started here gets its group weighed as two.
+# cgroup v1 with dockerd's cgroupfs driver (as on this machine): every container, the image
+# builds' included, runs under this group, and the scheduler weighs the whole group as one session
+# against each of the host's (measured: a container's two busy threads beside two busy host
+# sessions got a third of the machine). Beside the vLLM tier (make test) the builds were then the
+# run's last lane, and its last minutes ran the compose tier alone on half-idle cores. A dockerd
+# started here gets its group weighed as two sessions (half the machine in that measurement).
 DOCKER_CPU_SHARES = Path("/sys/fs/cgroup/cpu/docker/cpu.shares")
 DOCKER_WEIGHT = 2048  # the default is 1024
 
