@@ -61,6 +61,7 @@ def run(*args: str, timeout: float = 1800, check: bool = True, env: dict[str, st
     return done
 
 
+<<<<<<< HEAD
 # cgroup v1 with dockerd's cgroupfs driver (as on this machine): every container, the image
 # builds' included, runs under this group, and the scheduler weighs the whole group as one session
 # against each of the host's (measured: a container's two busy threads beside two busy host
@@ -71,9 +72,10 @@ DOCKER_CPU_SHARES = Path("/sys/fs/cgroup/cpu/docker/cpu.shares")
 DOCKER_WEIGHT = 2048  # the default is 1024
 
 
+=======
+>>>>>>> parent of a97e162 (The compose tier's dockerd weighs its containers as two process groups (cgroup v1 shares 2048): the image builds beside the vLLM tier got a quarter of the cores and were the run's last lane, while its last minutes ran on half-idle cores. Checked here: a container beside two host sessions got 33 % of the CPU, 50 % with it)
 class DockerDaemon:
-    """Docker as found, or Debian's dockerd started here (its containers weighed as two process
-    groups, DOCKER_CPU_SHARES); stop() stops only one started here."""
+    """Docker as found, or Debian's dockerd started here; stop() stops only one started here."""
 
     def __init__(self):
         self.started: subprocess.Popen | None = None
@@ -98,7 +100,6 @@ class DockerDaemon:
             raise Unavailable(f"dockerd did not answer within 60 s (see {LOG_DIR / 'dockerd.log'})") from exc
         if self.started.poll() is not None:
             raise Unavailable(f"dockerd exited with {self.started.returncode} (see {LOG_DIR / 'dockerd.log'})")
-        _weigh_containers(DOCKER_WEIGHT)
 
     @staticmethod
     def _answers() -> bool:
@@ -113,17 +114,6 @@ class DockerDaemon:
         except subprocess.TimeoutExpired:
             os.kill(self.started.pid, signal.SIGKILL)
             self.started.wait()
-        _weigh_containers(1024)
-
-
-def _weigh_containers(shares: int) -> None:
-    """Best effort: where the group cannot be made or weighed (cgroup v2, systemd's driver, no
-    permission), the containers keep the scheduler's default weight."""
-    try:
-        DOCKER_CPU_SHARES.parent.mkdir(exist_ok=True)
-        DOCKER_CPU_SHARES.write_text(f"{shares}\n")
-    except OSError:
-        pass
 
 
 def image_exists(tag: str) -> bool:
