@@ -55,8 +55,7 @@ up: install
 # 2. two lanes side by side, each printed whole when it ends: the vLLM tier (one test at a time:
 #    a CPU engine busies its core), then the tests of the multi-key scripts and slots again on a
 #    3-primary Redis Cluster (redis+cluster://, marker `cluster`: the hash-tagged keys must hold
-#    there too); and the build of the compose tier's images, then its stack's tests (Docker's
-#    containers weighed as two sessions against the vLLM tier's: tests/compose/harness.py).
+#    there too); and the build of the compose tier's images, then its stack's tests.
 # (Measured: the images built beside the first pass, three lanes at once, the vLLM engines started
 # beside the first pass, or the compose tier's tests overlapping the vLLM tier's busiest part (as
 # when its images are built faster), made timing-sensitive tests fail: two cores are shared.)

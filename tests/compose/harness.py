@@ -61,19 +61,6 @@ def run(*args: str, timeout: float = 1800, check: bool = True, env: dict[str, st
     return done
 
 
-<<<<<<< HEAD
-# cgroup v1 with dockerd's cgroupfs driver (as on this machine): every container, the image
-# builds' included, runs under this group, and the scheduler weighs the whole group as one session
-# against each of the host's (measured: a container's two busy threads beside two busy host
-# sessions got a third of the machine). Beside the vLLM tier (make test) the builds were then the
-# run's last lane, and its last minutes ran the compose tier alone on half-idle cores. A dockerd
-# started here gets its group weighed as two sessions (half the machine in that measurement).
-DOCKER_CPU_SHARES = Path("/sys/fs/cgroup/cpu/docker/cpu.shares")
-DOCKER_WEIGHT = 2048  # the default is 1024
-
-
-=======
->>>>>>> parent of a97e162 (The compose tier's dockerd weighs its containers as two process groups (cgroup v1 shares 2048): the image builds beside the vLLM tier got a quarter of the cores and were the run's last lane, while its last minutes ran on half-idle cores. Checked here: a container beside two host sessions got 33 % of the CPU, 50 % with it)
 class DockerDaemon:
     """Docker as found, or Debian's dockerd started here; stop() stops only one started here."""
 
