@@ -171,28 +171,30 @@ def test_a_gateway_stopped_mid_stream_finishes_its_streams_and_refuses_nothing(s
             except openai.APIError as exc:
                 probes.append(type(exc).__name__)
 
-    with ThreadPoolExecutor(3) as pool:
-        for _ in range(3):
-            pool.submit(probe)
-        stop_started = time.monotonic()
-        run("docker", "stop", "-t", "40", victim.id, timeout=60)
-        drained_in = time.monotonic() - stop_started
-        # Not a wait for anything: the probes go on for 5 s after the gateway exited, past the 2 s
-        # nginx may still use its cached address (deploy/nginx.conf).
-        time.sleep(5)
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            for _ in range(3):
+                pool.submit(probe)
+            stop_started = time.monotonic()
+            run("docker", "stop", "-t", "40", victim.id, timeout=60)
+            drained_in = time.monotonic() - stop_started
+            # Not a wait for anything: the probes go on for 5 s after the gateway exited, past the
+            # 2 s nginx may still use its cached address (deploy/nginx.conf).
+            time.sleep(5)
+            stopping.set()
+        wait_ended(runs, 30)
+        (stopped,) = [c for c in stack.containers("gateway") if c.id == victim.id]
+    finally:  # the later tests want both gateways, whatever this one found
         stopping.set()
-    wait_ended(runs, 30)
+        stack("up", "-d", "--no-recreate", "gateway")  # starts the stopped gateway again
+        stack.wait_healthy("gateway", 2, 60)
 
-    (stopped,) = [c for c in stack.containers("gateway") if c.id == victim.id]
     TIMINGS["drain"] = {"streams": len(runs), "on_stopped_gateway": on_victim, "drained_in_s": round(drained_in, 1),
                         "probes": len(probes), "probe_failures": [p for p in probes if p != "200"]}
     assert stopped.exit_code == 0 and drained_in < 30
     assert all(r.error is None and r.finish_reason == "length" and r.text == scripted_text(200) for r in runs), \
         [str(r.error) for r in runs if r.error]
     assert len(probes) > 10 and set(probes) == {"200"}, TIMINGS["drain"]
-
-    stack("up", "-d", "--no-recreate", "gateway")  # starts the stopped gateway again
-    stack.wait_healthy("gateway", 2, 60)
 
 
 def _panel_queries() -> list[tuple[str, str]]:
