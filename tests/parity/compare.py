@@ -126,14 +126,26 @@ def _scrub(obj: Any, top: bool = True) -> Any:
 
 
 def _shapes(chunk: dict[str, Any]) -> list[str]:
-    """The shapes of a chunk, a chat chunk that ends a choice with a delta counted as two.
+    """The shapes of a chunk in a stream's set of shapes: a chat chunk that ends a choice with a
+    delta, and a completion chunk that both starts and ends its choice, counted as two.
 
     vLLM's output collector merges engine steps that its reader has not taken yet, so whether the
     last delta rides on the finish chunk (`delta: {content: null, tool_calls}` beside
     `finish_reason`) or comes one chunk before it (then `delta: {}`) depends on timing, on either
     server. It is seen here as it is in the unmerged case: the delta chunk, then the finish chunk.
+    A short completion stream may likewise come as one chunk, or two, or one per token: so its
+    `prompt_token_ids`, set on the first chunk only, count here as a key whether null or not (the
+    first chunk's own shape is compared apart, `first_chunk`), and a chunk carrying them beside its
+    `finish_reason` is its first step and its finish at once.
     """
     choices = chunk.get("choices") or ()
+    if len(choices) == 1 and "text" in choices[0] and "prompt_token_ids" in choices[0]:
+        choice = {**choices[0], "prompt_token_ids": []}  # present, whether null or not
+        if choice.get("finish_reason") is None:
+            return [_shape({**chunk, "choices": [choice]})]
+        step = {k: v for k, v in chunk.items() if k != "system_fingerprint"}
+        step["choices"] = [choice | {"finish_reason": None}]
+        return [_shape(step), _shape({**chunk, "choices": [choice]})]
     if len(choices) != 1 or choices[0].get("finish_reason") is None or not choices[0].get("delta"):
         return [_shape(chunk)]
     choice = choices[0]
@@ -181,9 +193,18 @@ def stream_view(events: list[Any]) -> dict[str, Any]:
         "errors": [_error_view(e, 200) for e in errors],
         "choices": [choices[i] for i in sorted(choices)],
         "usage": usage,
-        "first_chunk": _shape(chunks[0]) if chunks else None,
+        "first_chunk": _shape(_first_step(chunks[0])) if chunks else None,
         "shapes": sorted({shape for c in chunks for shape in _shapes(c)}),
     }
+
+
+def _first_step(chunk: dict[str, Any]) -> dict[str, Any]:
+    """A completion stream's first chunk as it is when it does not also end the stream (`_shapes`)."""
+    choices = chunk.get("choices") or ()
+    if len(choices) != 1 or "text" not in choices[0] or choices[0].get("finish_reason") is None:
+        return chunk
+    step = {k: v for k, v in chunk.items() if k != "system_fingerprint"}
+    return step | {"choices": [choices[0] | {"finish_reason": None}]}
 
 
 def _merge_choice(view: dict[str, Any], choice: dict[str, Any], usage: dict | None) -> None:
