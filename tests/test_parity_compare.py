@@ -3,7 +3,9 @@ still catches (a delta of another shape)."""
 
 from __future__ import annotations
 
-from tests.parity.compare import stream_view
+import json
+
+from tests.parity.compare import frame_differences, stream_view
 
 TOP = {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": "tiny"}
 
@@ -58,3 +60,25 @@ def test_a_completion_chunk_of_another_shape_still_differs():
     assert stream_view(no_fingerprint)["shapes"] != stream_view(apart)["shapes"]
     assert stream_view(no_prompt_ids)["first_chunk"] != stream_view(apart)["first_chunk"]
     assert stream_view(extra_key)["shapes"] != stream_view(apart)["shapes"]
+
+
+def _sse(*chunks) -> str:
+    return "".join(f"data: {json.dumps(c, separators=(',', ':'))}\n\n" for c in chunks) + "data: [DONE]\n\n"
+
+
+def _with_logprobs(text, tokens):
+    chunk = _text(text)
+    chunk["choices"][0]["logprobs"] = {"text_offset": [0] * len(tokens), "token_logprobs": [-1.0] * len(tokens),
+                                       "tokens": tokens, "top_logprobs": [{t: -1.0, "x": -2.0} for t in tokens]}
+    return chunk
+
+
+def test_completion_frames_with_top_logprobs_split_elsewhere_are_written_alike():
+    # Recorded in a CI run: the first token of each frame, the key of its first top_logprobs
+    # entry, depends on where the deltas split.
+    per_token = _sse(_with_logprobs(" H", [" H"]), _with_logprobs(" more", [" more"]))
+    merged = _sse(_with_logprobs(" H more", [" H", " more"]))
+    assert frame_differences(per_token, merged) == []
+    reordered = _with_logprobs(" H", [" H"])
+    reordered["choices"][0]["logprobs"] = dict(reversed(reordered["choices"][0]["logprobs"].items()))
+    assert frame_differences(per_token, _sse(reordered, _with_logprobs(" more", [" more"]))) != []

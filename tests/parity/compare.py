@@ -52,10 +52,15 @@ ECHOED = ("tools", "text", "tool_choice")
 
 
 def _keys(value: Any) -> Any:
-    """The keys of a JSON value in the order written, nested (a list by its first element)."""
+    """The keys of a JSON value in the order written, nested (a list by its first element).
+
+    A completion's `top_logprobs` are objects keyed by token: their keys are data, not how the
+    frame is written, and which token's come first depends on where the stream's deltas split."""
     if isinstance(value, dict):
         if value.get("object") == "response":
             return [(key, None if key in ECHOED else _keys(item)) for key, item in value.items()]
+        if "text_offset" in value:  # a completion's logprobs
+            return [(key, None if key == "top_logprobs" else _keys(item)) for key, item in value.items()]
         return [(key, _keys(item)) for key, item in value.items()]
     if isinstance(value, list) and value:
         return [_keys(value[0])]
