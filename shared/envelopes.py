@@ -135,6 +135,13 @@ class RequestEnvelope(Envelope):
         return [prompt]
 
     @property
+    def replays_exactly(self) -> bool:
+        """A stream whose output the request fixes (greedy, or seeded): run again from its start by
+        a worker that takes it over, it gives the same text, which the gateway joins where its
+        client stood (gateway/fleet/replay.py)."""
+        return self.stream and (self.params.temperature == 0 or self.params.seed is not None)
+
+    @property
     def choice_count(self) -> int:
         """The choices of the answer: n for each prompt. Choice `c` of prompt `p` has index
         p * n + c, as on `vllm serve`."""

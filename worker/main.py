@@ -59,7 +59,7 @@ def new_worker_id() -> str:
 class Worker:
     def __init__(self, redis: aioredis.Redis, adapter: Adapter, max_concurrency: int, worker_id: str | None = None,
                  *, renewals: SyncRedis | SyncRedisCluster, claim_idle_s: float = 3.0, kinds: tuple[str, ...] = (), steal_after_s: float = 0.01,
-                 express_slots: int = 0, log_requests: bool = False):
+                 express_slots: int = 0, log_requests: bool = False, migration_limit: int = 3):
         self.redis = redis
         self.adapter = adapter
         self.model = adapter.served_model_name
@@ -74,7 +74,8 @@ class Worker:
         self.leases = Leases(self.batched, self.worker_id)
         self.renewals = renewals  # the lease thread's own connection
         self.runner = Runner(adapter, self.model, self.worker_id, self.kinds, self.batched, self.publisher,
-                             self.leases, log_requests=log_requests, on_engine_failure=self._check_engine)
+                             self.leases, log_requests=log_requests, migration_limit=migration_limit,
+                             on_engine_failure=self._check_engine)
         self.consumer = RequestConsumer(redis, self.runner, self.model, self.worker_id, max_concurrency,
                                         claim_idle_s=claim_idle_s, steal_after_s=steal_after_s,
                                         express_slots=express_slots)
@@ -91,6 +92,7 @@ class Worker:
                        metrics.TOKENS_AFTER_CANCEL, metrics.QUEUE_TIMEOUTS, metrics.CANCEL_LATENCY, metrics.RECLAIMED,
                        metrics.PREFILL_TIME, metrics.DECODE_TIME):
             family.labels(self.model)
+        metrics.MIGRATIONS.labels(self.model, "lease_lapsed")
 
     @property
     def in_flight(self) -> int:
@@ -233,7 +235,8 @@ async def serve(settings: WorkerSettings, adapter: Adapter | None = None) -> Non
     worker = Worker(redis, adapter, settings.max_concurrency, worker_id, renewals=renewals,
                     claim_idle_s=settings.claim_idle_s,
                     kinds=settings.kinds, steal_after_s=settings.steal_after_ms / 1000,
-                    express_slots=settings.express_slots, log_requests=settings.enable_log_requests)
+                    express_slots=settings.express_slots, log_requests=settings.enable_log_requests,
+                    migration_limit=settings.migration_limit)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.stop)

@@ -218,7 +218,7 @@ class ReplyPublisher:
                 pipe.xadd(entry.reply_to, entry.value(), maxlen=keys.REPLY_STREAM_MAXLEN, approximate=True,
                           nomkstream=True)
             for request_id in first_outputs:  # output is on its way to the client: never run it again
-                pipe.set(keys.streamed_key(request_id), b"1", ex=keys.CANCEL_MEMORY_TTL_S)
+                pipe.set(keys.streamed_key(request_id), b"1", ex=keys.CANCEL_MEMORY_TTL_S, nx=True)  # a replay's: kept
 
         def acknowledge(pipe) -> None:
             for stream, entry_id, request_id, *bindings in acks:

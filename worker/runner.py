@@ -22,6 +22,7 @@ lease was lost.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -60,7 +61,7 @@ class Runner:
     """The requests running on this worker, each in a task of its own."""
 
     def __init__(self, adapter: Adapter, model: str, worker_id: str, kinds: tuple[str, ...], batched: BatchedRedis,
-                 publisher: ReplyPublisher, leases: Leases, *, log_requests: bool = False,
+                 publisher: ReplyPublisher, leases: Leases, *, log_requests: bool = False, migration_limit: int = 3,
                  on_engine_failure: Callable[[], None] = lambda: None):
         self.adapter = adapter
         self.model = model
@@ -70,6 +71,7 @@ class Runner:
         self.publisher = publisher
         self.leases = leases
         self.log_requests = log_requests  # one info line per request at its end (`--enable-log-requests`)
+        self.migration_limit = migration_limit  # replays of one stream that a dead worker had begun
         self.on_engine_failure = on_engine_failure  # the engine raised: the worker checks whether it died
         self.running: dict[str, asyncio.Task] = {}
         self.cancel_requested: dict[str, str] = {}  # request id -> cause
@@ -116,7 +118,7 @@ class Runner:
                 self.leases.take(request.request_id),
                 self.batched.pipeline(transaction=False)
                 .getdel(keys.cancelled_key(request.request_id))  # a cancel stashed while queued, consumed once
-                .exists(keys.streamed_key(request.request_id))
+                .get(keys.streamed_key(request.request_id))
                 .execute())
         except RedisError as exc:  # leave the entry pending, for a retry
             log.warning("could not lease request %s (%s); leaving it for a retry", request.request_id, exc)
@@ -129,7 +131,10 @@ class Runner:
             metrics.RECLAIMED.labels(self.model).inc()
         else:
             metrics.QUEUE_TIME.labels(self.model).observe(queued)
-        terminal = self._refuse_unstarted(request, stashed, bool(streamed))
+        runs = int(streamed or 0)  # runs of it that reached a client: 1 after the first, + each replay
+        terminal = self._refuse_unstarted(request, stashed, runs)
+        if terminal is None and runs:
+            await self._note_replay(request, runs)
         if terminal is None:
             terminal = await self._answer(request)
         if request.request_id in self.leases.lost:  # its answer is for the worker that took it over
@@ -170,10 +175,19 @@ class Runner:
             "queue_s": timings.get("queue_s"), "prefill_s": timings.get("prefill_s"),
             "decode_s": timings.get("decode_s"), "reclaimed": reclaimed or None}})
 
+    async def _note_replay(self, request: RequestEnvelope, runs: int) -> None:
+        """Count a replay of a stream a dead worker had begun (its gateway joins it, gateway/fleet/replay.py)."""
+        metrics.MIGRATIONS.labels(self.model, "lease_lapsed").inc()
+        log.info("request %s: its worker stopped mid-stream; running it again (replay %d of at most %d)",
+                 request.request_id, runs, self.migration_limit)
+        with contextlib.suppress(RedisError):  # unrecorded, the limit counts this replay at most once less
+            await self.batched.set(keys.streamed_key(request.request_id), runs + 1, xx=True, keepttl=True)
+
     def _refuse_unstarted(self, request: RequestEnvelope, stashed: bytes | None,
-                          streamed: bool) -> GenerationChunk | None:
+                          runs: int) -> GenerationChunk | None:
         """The terminal chunk of a request that must not start (cancelled, stale, half-sent)."""
-        if streamed:  # a dead worker already sent part of it: running it again would repeat output
+        if runs and not (request.replays_exactly and runs <= self.migration_limit):
+            # a dead worker already sent part of it: running it again would repeat or change output
             return _error_terminal(WorkerLost("The worker generating this response stopped mid-stream; "
                                               "retry the request."))
         cause = stashed.decode() if stashed else self.cancel_requested.get(request.request_id)

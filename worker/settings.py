@@ -34,6 +34,9 @@ class WorkerSettings:
     max_concurrency: int = setting(64, "Requests this worker runs at once (its slots).")
     metrics_port: int = setting(0, "Serve Prometheus metrics, vLLM's `vllm:*` series included, on this port (0: off).")
     claim_idle_s: float = setting(3.0, "Seconds a dead worker's unanswered request waits before it is taken over.")
+    migration_limit: int = setting(3, "Times one greedy or seeded stream may be run again from its start by a worker "
+                                   "that takes it over after its worker died mid-stream; its gateway joins the "
+                                   "replay where the client stood. Past it, or 0, such a stream ends with an error.")
     steal_after_ms: float = setting(10.0, "With a free slot, take the requests that have waited this many milliseconds "
                                     "in another (busy or stopped) worker's own queue.")
     express_slots: int = setting(0, "With every slot busy, start up to this many more requests, only of API keys that "

@@ -32,6 +32,7 @@ from gateway.fleet.cancels import CancelRegistry, cancel_groups
 from gateway.fleet.rate_limits import Grant, KeyUse, RateLimits
 from gateway.fleet.registry import ModelView, WorkerRegistry
 from gateway.fleet.relay import SILENCE, ReplyRouter
+from gateway.fleet.replay import Diverged, Replay, Sent
 from gateway.fleet.responses import ResponseStore
 from gateway.fleet.sessions import SessionStore
 from gateway.settings import GatewaySettings
@@ -50,6 +51,10 @@ REDIS_CONNECTIONS = 200  # per gateway process; the reply reader and registry ho
 REDIS_POOL_WAIT_S = 5.0  # longest wait for a free connection before the request gets a 503
 SILENCE_CHECK_S = 0.5  # how often a silent request checks its deadline and that its worker still lives
 QUEUE_ALARM_LAG_S = 0.005  # a timer may fire a little before its time: the queue deadline has passed by then
+# How long a stream that replays exactly waits, once its worker is seen dead, for another worker to
+# take it over: the lease lapses (LEASE_TTL_S), the entry has been claimed for a worker's
+# --claim-idle (3 s) and a reclaim turn comes (half that), then the takeover's first chunk.
+TAKEOVER_WAIT_S = 10.0
 # A stop takes at most STOP_GRACE_S + 2 * STOP_CANCEL_S + REDIS_CLOSE_S, whatever Redis does.
 STOP_GRACE_S = 2.0  # the cancels and unregistering of the last runs may take this long
 STOP_CANCEL_S = 2.0  # then what still runs is cancelled, and left behind after this
@@ -89,6 +94,10 @@ class Run:
         self._next_seq = 0
         self._lease = 0  # the newest lease of the request heard from (`ChunkEnvelope.lease`)
         self._heard_at = 0.0  # when (monotonic) its worker last sent something
+        # A stream that replays exactly: what it sent, for a takeover's replay to be joined to it.
+        self._sent = Sent() if envelope.replays_exactly else None
+        self._replay: Replay | None = None
+        self._lost_at = 0.0  # when (monotonic) its streaming worker was seen dead; 0: it was not
 
     async def chunks(self) -> AsyncIterator[GenerationChunk]:
         """Every chunk of the request, in order, ending with its terminal chunk.
@@ -113,6 +122,7 @@ class Run:
                 continue
             self.worker_id = envelope.worker_id
             self._heard_at = time.monotonic()
+            self._lost_at = 0.0
             if envelope.seq >= 0:  # -1: an ending the gateway made itself
                 if envelope.lease > self._lease or envelope.seq != self._next_seq:
                     if held is not None:  # what came before the break still reaches the client
@@ -126,6 +136,10 @@ class Run:
                                              "retry the request.")
                 self._next_seq += 1
             for chunk in envelope.chunks:
+                if self._replay is not None and (chunk := self._joined(chunk)) is None:
+                    continue
+                if self._sent is not None:
+                    self._sent.add(chunk)
                 if chunk.done:
                     self.finished = True
                 if self.grant is not None:
@@ -152,11 +166,29 @@ class Run:
 
     def _follow_lease(self, lease: int) -> None:
         """Follow the worker holding the newest lease. One that took the request over starts it
-        anew: if an earlier worker's output already reached the client, the response cannot go on."""
+        anew: if an earlier worker's output already reached the client, the response goes on only
+        where the takeover replays it exactly (gateway/fleet/replay.py), joined where it stood."""
         if self._next_seq > 0:
-            self.close(reason="worker_lost")
-            raise WorkerLost("The worker generating this response stopped mid-stream; retry the request.")
+            if self._sent is None:
+                self.close(reason="worker_lost")
+                raise WorkerLost("The worker generating this response stopped mid-stream; retry the request.")
+            self._replay = Replay(self._sent)
+            self._next_seq = 0
+            metrics.MIGRATIONS.labels(self.envelope.model, "lease_lapsed").inc()
         self._lease = lease
+
+    def _joined(self, chunk: GenerationChunk) -> GenerationChunk | None:
+        """A takeover's chunk, less what the client already has (None: all of it)."""
+        try:
+            chunk = self._replay.take(chunk)
+        except Diverged as exc:
+            log.warning("request %s: its takeover's replay differs from what was sent (%s)", self.request_id, exc)
+            self.close(reason="worker_lost")
+            raise WorkerLost("The worker generating this response stopped mid-stream, and the worker that took it "
+                             "over did not answer the same; retry the request.") from exc
+        if self._replay.done:
+            self._replay = None
+        return chunk
 
     def _check_alive(self, deadline: float) -> None:
         """After a silence: raise if the deadline passed, the streaming worker is gone, or the
@@ -165,12 +197,20 @@ class Run:
             self.close(reason="deadline")
             raise ServiceUnavailable("The request timed out before the model answered.", code="request_timeout")
         if self.worker_id and not self._worker_alive():
+            if self._sent is not None and self._awaiting_takeover():
+                return
             self.close(reason="worker_lost")
             raise WorkerLost("The worker generating this response stopped; retry the request.")
         if self._unclaimed_past_queue_deadline():
             self.close(reason="queue_timeout")
             raise ServiceUnavailable(f"No worker is serving the model `{self.envelope.model}` right now: the "
                                      "request waited for one until its queue timeout.", code="queue_timeout")
+
+    def _awaiting_takeover(self) -> bool:
+        """A stream that replays exactly waits up to TAKEOVER_WAIT_S for a worker to take it over."""
+        now = time.monotonic()
+        self._lost_at = self._lost_at or now
+        return now - self._lost_at < TAKEOVER_WAIT_S
 
     def _worker_alive(self) -> bool:
         """Its worker's heartbeat is live, or the worker spoke within a heartbeat's TTL: a worker

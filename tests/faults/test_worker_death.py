@@ -154,3 +154,47 @@ def test_a_worker_sending_chunks_is_alive_while_its_heartbeat_key_is_missing(red
         assert _stream_text(body) == " ".join(["tick", "tock"] * 15)
     finally:
         worker.stop()
+
+
+def _stream_chunks(body_text: str) -> list[dict]:
+    return [json.loads(line[6:]) for line in body_text.splitlines() if line.startswith("data: {")]
+
+
+@pytest.mark.parametrize("migration_limit", [3, 0])
+def test_a_greedy_stream_goes_on_on_another_worker_when_its_worker_dies(redis_url, redis_client, gateway,
+                                                                       migration_limit):
+    """SIGKILL of the worker streaming a greedy request: the worker that takes it over runs it again,
+    and the gateway joins that replay where the client's stream stood (gateway/fleet/replay.py): one
+    stream, no error, no text repeated or missing, usage counted once. With --migration-limit 0 the
+    stream ends with the error it had before."""
+    model = f"doomed-{uuid.uuid4().hex[:6]}"
+    doomed = start_worker(redis_url, model, "--scripted-tokens-per-second", "20")
+    rescuer = None
+    try:
+        wait_until_served(gateway, model)
+        body = {**_body(model, True, 60), "temperature": 0, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            seen = [next(lines) for _ in range(12)]  # the role chunk and some tokens, with their blank lines
+            doomed.kill()
+            rescuer = start_worker(redis_url, model, "--claim-idle", "1", "--migration-limit", str(migration_limit))
+            text = "\n".join([*seen, *lines])
+        chunks = _stream_chunks(text)
+        if migration_limit == 0:
+            error = chunks[-1]["error"]
+            assert (error["code"], error["type"]) == (502, "BadGatewayError")
+            assert metric_value(rescuer.url, "llmfleet_worker_migrations_total") == 0
+            return
+        assert not any("error" in c for c in chunks), text[-500:]
+        assert _stream_text(text) == " ".join(["tick", "tock"] * 30)
+        assert [c["choices"][0]["delta"].get("role") for c in chunks if c["choices"]].count("assistant") == 1
+        assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+        usage = chunks[-1]["usage"]
+        assert (usage["prompt_tokens"], usage["completion_tokens"]) == (2, 60)
+        assert metric_value(rescuer.url, "llmfleet_worker_migrations_total") == 1
+        assert metric_value(gateway.url, "llmfleet_gateway_migrations_total", model=model) == 1
+        wait_for(lambda: not leftover_keys(redis_client), 10, "the request's keys to be settled")
+    finally:
+        if rescuer is not None:
+            rescuer.stop()
+        doomed.kill()

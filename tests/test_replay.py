@@ -1,0 +1,74 @@
+"""Joining a takeover's replay onto what a stream already sent (gateway/fleet/replay.py): the
+client's side of the join, whatever the two runs' chunk boundaries."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.fleet.replay import Diverged, Replay, Sent
+from shared.envelopes import GenerationChunk, ToolCallDelta, Usage
+
+
+def _delta(text, tokens=1, index=0, **fields) -> GenerationChunk:
+    return GenerationChunk(choice_index=index, text=text, token_count=tokens, **fields)
+
+
+def _sent(*chunks: GenerationChunk) -> Sent:
+    sent = Sent()
+    for chunk in chunks:
+        sent.add(chunk)
+    return sent
+
+
+def _joined(replay: Replay, chunks: list[GenerationChunk]) -> list[GenerationChunk]:
+    return [out for chunk in chunks if (out := replay.take(chunk)) is not None]
+
+
+def test_a_replay_split_elsewhere_goes_on_where_the_client_stood():
+    replay = Replay(_sent(_delta("Once", first_token=True, usage=Usage(prompt_tokens=3)), _delta(" upon a", 2)))
+    out = _joined(replay, [_delta("Once upon", 2, first_token=True, usage=Usage(prompt_tokens=3)),
+                           _delta(" a time", 2, token_ids=[7, 8]), _delta(" there", 1)])
+    assert [(c.text, c.token_count, c.first_token, c.usage, c.token_ids) for c in out] == [
+        (" time", 1, False, None, [8]), (" there", 1, False, None, None)]
+    assert replay.done
+
+
+def test_a_replay_that_ends_where_the_client_stood_sends_only_the_finish():
+    replay = Replay(_sent(_delta("a b"), _delta(" c")))
+    out = _joined(replay, [_delta("a b c", 3), _delta("", 0, finish_reason="length"),
+                           GenerationChunk(done=True, finish_reason="length", usage=Usage(2, 3))])
+    assert [(c.text, c.finish_reason, c.done) for c in out] == [("", "length", False), ("", "length", True)]
+
+
+def test_a_different_replay_is_refused():
+    replay = Replay(_sent(_delta("Once upon")))
+    with pytest.raises(Diverged):
+        _joined(replay, [_delta("Once"), _delta(" more")])
+    short = Replay(_sent(_delta("Once upon")))
+    with pytest.raises(Diverged):
+        _joined(short, [_delta("Once"), GenerationChunk(done=True, finish_reason="stop")])
+
+
+def test_logprobs_across_the_join_are_refused_and_whole_ones_pass():
+    entry = [{"token": "x", "logprob": -1.0, "bytes": [120], "top_logprobs": []}]
+    with pytest.raises(Diverged):
+        _joined(Replay(_sent(_delta("ab", logprobs=entry))), [_delta("abc", 2, logprobs=entry * 2)])
+    out = _joined(Replay(_sent(_delta("ab", logprobs=entry))), [_delta("ab", logprobs=entry), _delta("c", logprobs=entry)])
+    assert [(c.text, c.logprobs) for c in out] == [("c", entry)]
+
+
+def test_whole_tool_call_deltas_are_matched_whatever_their_ids():
+    def call(call_id, arguments):
+        return _delta(None, tool_calls=[ToolCallDelta(0, call_id, "get" if call_id else None, arguments)])
+    replay = Replay(_sent(call("call-1", ""), call(None, '{"a"')))
+    out = _joined(replay, [call("call-2", ""), call(None, '{"a"'), call(None, ": 1}")])
+    assert [c.tool_calls[0].arguments for c in out] == [": 1}"]
+    with pytest.raises(Diverged):
+        _joined(Replay(_sent(call("call-1", ""), call(None, '{"a"'))), [call("call-2", ""), call(None, '{"b"')])
+
+
+def test_each_choice_is_joined_where_it_stood():
+    replay = Replay(_sent(_delta("a", index=0), _delta("b", index=1), _delta("", 0, index=1, finish_reason="stop")))
+    out = _joined(replay, [_delta("a", index=0), _delta("b", index=1), _delta("", 0, index=1, finish_reason="stop"),
+                           _delta(" c", index=0)])
+    assert [(c.choice_index, c.text, c.finish_reason) for c in out] == [(0, " c", None)]
