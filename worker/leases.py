@@ -67,6 +67,12 @@ class Leases:
         with self._lock:
             self._until[request_id] = asked + keys.LEASE_TTL_S - MARGIN_S
 
+    def give_up(self, request_id: str) -> None:
+        """Stop renewing a held lease and count the request lost here: it is another worker's to take."""
+        with self._lock:
+            self._until.pop(request_id, None)
+        self.lost.add(request_id)
+
     def forget(self, request_id: str) -> None:
         """The request has ended here."""
         with self._lock:

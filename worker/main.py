@@ -59,7 +59,8 @@ def new_worker_id() -> str:
 class Worker:
     def __init__(self, redis: aioredis.Redis, adapter: Adapter, max_concurrency: int, worker_id: str | None = None,
                  *, renewals: SyncRedis | SyncRedisCluster, claim_idle_s: float = 3.0, kinds: tuple[str, ...] = (), steal_after_s: float = 0.01,
-                 express_slots: int = 0, log_requests: bool = False, migration_limit: int = 3):
+                 express_slots: int = 0, log_requests: bool = False, migration_limit: int = 3,
+                 drain_timeout_s: float = 30.0):
         self.redis = redis
         self.adapter = adapter
         self.model = adapter.served_model_name
@@ -73,6 +74,7 @@ class Worker:
         self.publisher = ReplyPublisher(redis, self.worker_id)
         self.leases = Leases(self.batched, self.worker_id)
         self.renewals = renewals  # the lease thread's own connection
+        self.drain_timeout_s = drain_timeout_s  # a stop's runs past it are handed to other workers
         self.runner = Runner(adapter, self.model, self.worker_id, self.kinds, self.batched, self.publisher,
                              self.leases, log_requests=log_requests, migration_limit=migration_limit,
                              on_engine_failure=self._check_engine)
@@ -92,7 +94,8 @@ class Worker:
                        metrics.TOKENS_AFTER_CANCEL, metrics.QUEUE_TIMEOUTS, metrics.CANCEL_LATENCY, metrics.RECLAIMED,
                        metrics.PREFILL_TIME, metrics.DECODE_TIME):
             family.labels(self.model)
-        metrics.MIGRATIONS.labels(self.model, "lease_lapsed")
+        metrics.MIGRATIONS.labels(self.model)
+        metrics.HANDED_OVER.labels(self.model)
 
     @property
     def in_flight(self) -> int:
@@ -148,13 +151,20 @@ class Worker:
 
     async def _drain(self) -> None:
         self.publisher.give_up_after_s = DRAIN_REDIS_GRACE_S  # a drain must end even if Redis is gone
+        await self.heartbeat.announce()
         if self.runner.running:
             log.info("draining %d in-flight requests", len(self.runner.running))
+        deadline = time.monotonic() + self.drain_timeout_s
+        handed = False
         while self.runner.running:
-            await asyncio.wait(list(self.runner.running.values()), timeout=1.0)
+            await asyncio.wait(list(self.runner.running.values()),
+                               timeout=1.0 if handed else min(1.0, max(0.0, deadline - time.monotonic())))
             if self.publisher.given_up:  # their answers can reach nobody: stop generating them
                 for request_id in list(self.runner.running):
                     self.runner.spawn(self.runner.cancel(request_id, "shutdown"))
+            elif not handed and time.monotonic() >= deadline and self.runner.running:
+                handed = True
+                await self.runner.hand_over()
 
     def _check_engine(self) -> None:
         """If the engine is dead, stop: in-flight requests fail, and the process exits non-zero."""
@@ -236,7 +246,7 @@ async def serve(settings: WorkerSettings, adapter: Adapter | None = None) -> Non
                     claim_idle_s=settings.claim_idle_s,
                     kinds=settings.kinds, steal_after_s=settings.steal_after_ms / 1000,
                     express_slots=settings.express_slots, log_requests=settings.enable_log_requests,
-                    migration_limit=settings.migration_limit)
+                    migration_limit=settings.migration_limit, drain_timeout_s=settings.drain_timeout_s)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.stop)

@@ -28,9 +28,11 @@ CLAIMS = Counter("llmfleet_worker_claims_total", "Requests claimed, by where fro
                  "(affinity), the model's, another worker's own after a wait (stolen), a dead worker's (reclaimed), or "
                  "past the slots for a tenant with nothing else queued (express)",
                  ["model", "source"])
-MIGRATIONS = Counter("llmfleet_worker_migrations_total", "Greedy or seeded streams a worker that stopped mid-stream "
-                     "had begun, run again here from their start for their gateway to join (--migration-limit)",
-                     ["model", "cause"])
+MIGRATIONS = Counter("llmfleet_worker_migrations_total", "Greedy or seeded streams another worker had begun (it died, "
+                     "or handed them over at its drain deadline), run again here from their start for their gateway to "
+                     "join (--migration-limit); the gateway's counter says why", ["model"])
+HANDED_OVER = Counter("llmfleet_worker_handed_over_total", "Requests a draining worker handed to other workers at its "
+                      "--drain-timeout instead of finishing them", ["model"])
 RECLAIMED = Counter("llmfleet_worker_reclaimed_total", "Requests taken over from a worker that died", ["model"])
 PREFILL_TIME = Histogram("llmfleet_worker_time_to_first_token_seconds", "From the engine taking the request to its "
                          "first generated token (prefill, and any wait inside the engine)", ["model"],

@@ -2,7 +2,8 @@
 
 Each request runs as a task of its own (`Runner.start`). It takes the request's lease and the
 cancel stashed for it while it waited, refuses it unstarted when it must not run (cancelled,
-past its deadline or queue timeout, half-sent by a worker that died), and otherwise dispatches
+past its deadline or queue timeout, half-sent by a worker that died, unless it replays exactly:
+see gateway/fleet/replay.py and `--migration-limit`), and otherwise dispatches
 on what the engine is: a generation (`GenerationAdapter`: chat, completion), an encoder
 (`EncoderAdapter`: embed, score, rerank, classify, pooling) or a tokenizer (`TokenizerAdapter`:
 tokenize, detokenize). A request of a kind this worker's engine is not, or that `--kinds` leaves
@@ -13,7 +14,8 @@ Cancels reach a running request as `cancel(request_id, cause)`: the adapter abor
 and one that ignores its abort for ABORT_GRACE_S has its task cancelled; an encoding (one answer,
 nothing of it to keep) has its task cancelled at once. A request whose lease may have lapsed
 (`lease_lost`) is aborted too, and nothing more is published for it, neither chunks nor ending
-nor acknowledgement: the worker that takes it over answers it.
+nor acknowledgement: the worker that takes it over answers it. A draining worker gives up the
+leases of what another can take over at its deadline (`hand_over`) the same way.
 
 Invariant: the terminal chunk is the last thing published for a request, exactly once, unless the
 lease was lost.
@@ -74,6 +76,7 @@ class Runner:
         self.migration_limit = migration_limit  # replays of one stream that a dead worker had begun
         self.on_engine_failure = on_engine_failure  # the engine raised: the worker checks whether it died
         self.running: dict[str, asyncio.Task] = {}
+        self._requests: dict[str, RequestEnvelope] = {}  # of the running requests
         self.cancel_requested: dict[str, str] = {}  # request id -> cause
         self.completed = 0  # requests answered since the worker started
         self.on_finished: Callable[[], None] = lambda: None  # a slot is free: the consumer may claim
@@ -92,6 +95,7 @@ class Runner:
             return
         task = asyncio.create_task(self._run(stream, entry_id, request, reclaimed), name=request.request_id)
         self.running[request.request_id] = task
+        self._requests[request.request_id] = request
         task.add_done_callback(lambda _t, rid=request.request_id: self._finished(rid))
 
     def spawn(self, job) -> None:
@@ -102,6 +106,7 @@ class Runner:
 
     def _finished(self, request_id: str) -> None:
         self.running.pop(request_id, None)
+        self._requests.pop(request_id, None)
         self.leases.forget(request_id)
         self.publisher.release(request_id)
         self.cancel_requested.pop(request_id, None)
@@ -177,7 +182,7 @@ class Runner:
 
     async def _note_replay(self, request: RequestEnvelope, runs: int) -> None:
         """Count a replay of a stream a dead worker had begun (its gateway joins it, gateway/fleet/replay.py)."""
-        metrics.MIGRATIONS.labels(self.model, "lease_lapsed").inc()
+        metrics.MIGRATIONS.labels(self.model).inc()
         log.info("request %s: its worker stopped mid-stream; running it again (replay %d of at most %d)",
                  request.request_id, runs, self.migration_limit)
         with contextlib.suppress(RedisError):  # unrecorded, the limit counts this replay at most once less
@@ -329,6 +334,30 @@ class Runner:
         log.info("aborted request %s: engine stopped at %.6f, %.1f ms after the cancel was sent, "
                  "%d tokens after it", request.request_id, stopped, latency * 1000,
                  state.tokens - state.tokens_at_cancel)
+
+    async def hand_over(self) -> None:
+        """At a draining worker's deadline: give up the running requests another worker can take
+        over without a client noticing (greedy or seeded streams, which it replays for their
+        gateway to join, and non-streaming requests, which sent nothing), and stop them here. Their
+        entries stay pending: the others reclaim them (`reclaim_requests`), as a dead worker's."""
+        handed = [rid for rid, request in self._requests.items()
+                  if isinstance(self.adapter, GenerationAdapter) and (request.replays_exactly or not request.stream)]
+        if not handed:
+            return
+        for request_id in handed:  # nothing more from here, before another worker can take the lease
+            self.leases.give_up(request_id)
+            self.publisher.drop(request_id)
+        pipe = self.batched.pipeline(transaction=False)
+        for request_id in handed:
+            pipe.delete(keys.lease_key(request_id))
+        try:
+            await pipe.execute()
+        except RedisError as exc:  # the leases lapse on their own (LEASE_TTL_S), unrenewed
+            log.warning("releasing %d leases failed: %s", len(handed), exc)
+        metrics.HANDED_OVER.labels(self.model).inc(len(handed))
+        log.info("drain deadline: handing %d requests to other workers", len(handed))
+        for request_id in handed:
+            self.spawn(self.cancel(request_id, "handed_over"))
 
     def lease_lost(self, request_id: str) -> None:
         """Another worker may own the request now: publish nothing more for it, and stop it here."""

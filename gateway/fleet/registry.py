@@ -42,6 +42,7 @@ from shared.stopping import pause
 log = logging.getLogger(__name__)
 
 REFRESH_S = 0.5  # with the heartbeat TTL and the silence check, bounds how late a dead worker is noticed
+DRAINED_MEMORY_S = 60.0  # a worker seen draining is remembered as such this long after its last heartbeat
 # The context length of a model no live worker announces and this gateway never saw served: the
 # gateway cannot check `max_tokens` against it, so it leaves that check to the worker's engine.
 UNKNOWN_MAX_MODEL_LEN = 2**31 - 1
@@ -80,6 +81,7 @@ class WorkerRegistry:
         self.configured = frozenset(configured_models)
         self._remembered: dict[str, _Remembered] = {}
         self._reported: set[str] = set()  # models with backlog series on /metrics
+        self._draining: dict[str, float] = {}  # worker id -> when (monotonic) last seen draining
         self.load: dict[str, Load] = {}  # by known model, as of the last refresh
         self._refreshed = 0.0
         self.stopping = asyncio.Event()
@@ -101,6 +103,8 @@ class WorkerRegistry:
         now = time.monotonic()
         for view in models.values():
             view.drain_rate = self._drain_rate(view, now)
+            self._draining.update((w.worker_id, now) for w in view.workers if w.draining)
+        self._draining = {w: at for w, at in self._draining.items() if now - at < DRAINED_MEMORY_S}
         self.models = models
         self._refreshed = now
         self._remember(now)
@@ -177,6 +181,11 @@ class WorkerRegistry:
 
     def is_live(self, worker_id: str) -> bool:
         return any(w.worker_id == worker_id for view in self.models.values() for w in view.workers)
+
+    def was_draining(self, worker_id: str) -> bool:
+        """The worker was stopping (SIGTERM) when last heard from, within DRAINED_MEMORY_S: it hands
+        its long runs to other workers at its deadline, then exits."""
+        return worker_id in self._draining
 
     def serves(self, model: str) -> bool:
         """Some live worker (draining or not) announces `model`."""

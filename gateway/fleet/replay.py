@@ -1,7 +1,8 @@
 """A stream that goes on when its worker dies: the takeover's replay, joined where the client stood.
 
-When a worker dies mid-stream, another worker of the model takes the request over (the dead
-worker's lease lapses; `worker/consumer.py`, `reclaim_requests`) and runs it again from its start.
+When a worker dies mid-stream, or hands its runs over at its drain deadline, another worker of
+the model takes the request over (the lease lapsed, or was given up; `worker/consumer.py`,
+`reclaim_requests`) and runs it again from its start.
 For a request whose output is fixed by the request itself — greedy (`temperature: 0`) or seeded —
 the second run produces the same text, so the gateway does not end the stream with an error:
 `Replay` drops what the takeover sends up to where the client's stream stood, checks that it

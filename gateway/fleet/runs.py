@@ -120,7 +120,7 @@ class Run:
             if envelope.lease and envelope.lease < self._lease:  # from a worker that lost the request
                 metrics.STALE_REPLIES.inc()
                 continue
-            self.worker_id = envelope.worker_id
+            previous, self.worker_id = self.worker_id, envelope.worker_id
             self._heard_at = time.monotonic()
             self._lost_at = 0.0
             if envelope.seq >= 0:  # -1: an ending the gateway made itself
@@ -129,7 +129,7 @@ class Run:
                         yield held
                         held = None
                 if envelope.lease > self._lease:
-                    self._follow_lease(envelope.lease)
+                    self._follow_lease(envelope.lease, previous)
                 if envelope.seq != self._next_seq:
                     self.close(reason="lost_chunks")
                     raise ServiceUnavailable("Part of the response was lost in transit (the queue restarted); "
@@ -164,7 +164,7 @@ class Run:
             delay = max(0.0, self.envelope.queue_deadline - time.time()) + QUEUE_ALARM_LAG_S
             self._queue_alarm = asyncio.get_running_loop().call_later(delay, self._replies.put_nowait, SILENCE)
 
-    def _follow_lease(self, lease: int) -> None:
+    def _follow_lease(self, lease: int, previous_worker: str) -> None:
         """Follow the worker holding the newest lease. One that took the request over starts it
         anew: if an earlier worker's output already reached the client, the response goes on only
         where the takeover replays it exactly (gateway/fleet/replay.py), joined where it stood."""
@@ -174,7 +174,8 @@ class Run:
                 raise WorkerLost("The worker generating this response stopped mid-stream; retry the request.")
             self._replay = Replay(self._sent)
             self._next_seq = 0
-            metrics.MIGRATIONS.labels(self.envelope.model, "lease_lapsed").inc()
+            cause = "drain" if self._registry.was_draining(previous_worker) else "worker_lost"
+            metrics.MIGRATIONS.labels(self.envelope.model, cause).inc()
         self._lease = lease
 
     def _joined(self, chunk: GenerationChunk) -> GenerationChunk | None:

@@ -198,3 +198,68 @@ def test_a_greedy_stream_goes_on_on_another_worker_when_its_worker_dies(redis_ur
         if rescuer is not None:
             rescuer.stop()
         doomed.kill()
+
+
+def test_a_stopping_worker_hands_its_long_runs_over_at_its_drain_deadline(redis_url, redis_client, gateway):
+    """SIGTERM to a worker running a greedy stream and a non-streaming request, each 10 s long,
+    with --drain-timeout 1: at its deadline it hands both to the other worker and exits, instead of
+    holding the stop for 10 s. The stream goes on, joined where it stood; the other request is
+    answered whole."""
+    model = f"draining-{uuid.uuid4().hex[:6]}"
+    stopping = start_worker(redis_url, model, "--scripted-tokens-per-second", "20", "--drain-timeout", "1")
+    rescuer = None
+    try:
+        wait_until_served(gateway, model)
+        whole = _post_in_background(f"{gateway.url}/v1/chat/completions", _body(model, False, 200))
+        body = {**_body(model, True, 200), "temperature": 0}
+        with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            seen = [next(lines) for _ in range(6)]
+            wait_for(lambda: metric_value(stopping.url, "llmfleet_worker_in_flight") == 2, 10, "both to run")
+            rescuer = start_worker(redis_url, model, "--claim-idle", "1")
+            signalled = time.monotonic()
+            assert stopping.stop(timeout=20) == 0
+            stopped_after = time.monotonic() - signalled
+            text = "\n".join([*seen, *lines])
+        print(f"the stopping worker exited {stopped_after:.1f}s after SIGTERM")
+        assert stopped_after < 6, "the worker held its stop for the runs instead of handing them over"
+        assert '"error"' not in text, text[-500:]
+        assert _stream_text(text) == " ".join(["tick", "tock"] * 100)
+        whole["thread"].join(30)
+        assert whole["status"] == 200, whole["body"]
+        assert json.loads(whole["body"])["choices"][0]["message"]["content"] == " ".join(["tick", "tock"] * 100)
+        assert metric_value(rescuer.url, "llmfleet_worker_migrations_total") == 1  # the stream; the other reruns
+        assert metric_value(gateway.url, "llmfleet_gateway_migrations_total", model=model, cause="drain") == 1
+        wait_for(lambda: not leftover_keys(redis_client), 10, "the requests' keys to be settled")
+    finally:
+        if rescuer is not None:
+            rescuer.stop()
+        stopping.kill()
+
+
+def test_an_anthropic_stream_goes_on_as_one_message_when_its_worker_dies(redis_url, gateway):
+    """The join is below the APIs: a greedy Anthropic Messages stream whose worker is SIGKILLed
+    mid-stream is one message, its text whole, with no error event."""
+    model = f"doomed-{uuid.uuid4().hex[:6]}"
+    doomed = start_worker(redis_url, model, "--scripted-tokens-per-second", "20")
+    rescuer = None
+    try:
+        wait_until_served(gateway, model)
+        body = {"model": model, "max_tokens": 60, "temperature": 0, "stream": True,
+                "messages": [{"role": "user", "content": "tick tock"}]}
+        with httpx.stream("POST", f"{gateway.url}/v1/messages", json=body, timeout=60,
+                          headers={"x-api-key": "sk-any", "anthropic-version": "2023-06-01"}) as response:
+            lines = response.iter_lines()
+            seen = [next(lines) for _ in range(16)]  # message_start, the block's start, some deltas
+            doomed.kill()
+            rescuer = start_worker(redis_url, model, "--claim-idle", "1")
+            events = [json.loads(line[6:]) for line in [*seen, *lines] if line.startswith("data: ")]
+        kinds = [e["type"] for e in events]
+        assert "error" not in kinds and kinds.count("message_start") == 1 and kinds[-1] == "message_stop", kinds
+        text = "".join(e["delta"].get("text", "") for e in events if e["type"] == "content_block_delta")
+        assert text == " ".join(["tick", "tock"] * 30)
+        assert [e["usage"]["output_tokens"] for e in events if e["type"] == "message_delta"] == [60]
+    finally:
+        if rescuer is not None:
+            rescuer.stop()
+        doomed.kill()
