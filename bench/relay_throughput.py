@@ -10,7 +10,10 @@ gateway from `git archive REF`): before/after figures of a hot-path change, from
 each figure's median (with the rounds' own values in the JSON): on shared cores one round's
 req/s moves by ±20%, more than most single changes.
 
-    python -m bench.relay_throughput [--seconds 15] [--concurrency 64] [--before REF] [--rounds N] [--keys]
+    python -m bench.relay_throughput [--seconds 15] [--concurrency 64] [--before REF] [--rounds N] [--keys] [--greedy]
+
+`--greedy` sends `temperature: 0`: streams a takeover can replay, whose gateway keeps what it
+sent (gateway/fleet/replay.py); against `--before` a revision without that, what keeping it costs.
 
 `--keys` adds llmfleet with managed keys required (`--require-keys`) and a key whose rpm and tpm
 are checked on every request and never reached: what the front door costs (with `--before`, for
@@ -208,7 +211,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--before", help="also measure llmfleet as of this git revision")
     parser.add_argument("--rounds", type=int, default=1, help="measure each server this many times; medians")
     parser.add_argument("--keys", action="store_true", help="also llmfleet with managed keys required")
+    parser.add_argument("--greedy", action="store_true", help="greedy streams (temperature 0), which replay exactly")
     args = parser.parse_args(argv)
+    if args.greedy:
+        BODY["temperature"] = 0
     return save("relay_throughput", run(args.seconds, args.concurrency, args.before, args.rounds, args.keys), plot,
                 table)
 
