@@ -20,8 +20,9 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from shared import keys
-from shared.codec import encode
+from shared.codec import decode, encode
 from shared.envelopes import WorkerInfo
+from shared.errors import EnvelopeError
 from shared.stopping import pause, within
 from worker.cancels import CancelFollower
 
@@ -69,6 +70,19 @@ class Heartbeat:
                                                       ex=keys.HEARTBEAT_TTL_S), "announcing the drain")
         except (TimeoutError, RedisError) as exc:
             log.warning("could not announce the drain (%s); the next heartbeat does", exc)
+
+    async def peers_taking_work(self) -> int:
+        """Other live workers of this model that are not stopping: those a drain can hand runs to."""
+        names = [key async for key in self.redis.scan_iter(match=keys.WORKER_KEY_PATTERN, count=500)]
+        count = 0
+        for value in await self.redis.mget(names) if names else []:
+            try:
+                info = decode(WorkerInfo, value) if value is not None else None
+            except EnvelopeError:
+                continue
+            if info is not None and info.model == self.model and info.worker_id != self.worker_id and not info.draining:
+                count += 1
+        return count
 
     async def deregister(self) -> None:
         """Remove the heartbeat, so gateways stop counting on this worker now rather than at its TTL."""

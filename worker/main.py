@@ -48,7 +48,7 @@ CLAIM_STOP_S = 2.0  # a claim blocks 1 s: past this, Redis hangs, and the claim 
 STOP_CANCEL_S = 2.0  # a cancelled loop that has not ended after this is left behind
 # What a stop takes at most (tests/faults/test_stops.py): each step's bound, whatever Redis does.
 STOP_BOUND_S = CLAIM_STOP_S + STOP_CANCEL_S + keys.LEASE_TTL_S + ABORT_GRACE_S + STOP_CANCEL_S + RENEW_TIMEOUT_S \
-    + DEREGISTER_S + REDIS_CLOSE_S
+    + 2 * DEREGISTER_S + REDIS_CLOSE_S  # the drain's announcement, and the heartbeat's removal
 
 
 def new_worker_id() -> str:
@@ -164,7 +164,20 @@ class Worker:
                     self.runner.spawn(self.runner.cancel(request_id, "shutdown"))
             elif not handed and time.monotonic() >= deadline and self.runner.running:
                 handed = True
-                await self.runner.hand_over()
+                await self._hand_over()
+
+    async def _hand_over(self) -> None:
+        """At the drain deadline, hand what can be taken over to the model's other workers, if any
+        takes work: with none, handing over would only make the clients wait for a new one."""
+        try:
+            peers = await within(DEREGISTER_S, self.heartbeat.peers_taking_work(), "looking for other workers")
+        except (TimeoutError, RedisError) as exc:
+            log.warning("could not look for other workers (%s): finishing the runs here", exc)
+            return
+        if not peers:
+            log.info("drain deadline: no other worker of %s takes work; finishing the runs here", self.model)
+            return
+        await self.runner.hand_over()
 
     def _check_engine(self) -> None:
         """If the engine is dead, stop: in-flight requests fail, and the process exits non-zero."""

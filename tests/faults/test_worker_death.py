@@ -263,3 +263,23 @@ def test_an_anthropic_stream_goes_on_as_one_message_when_its_worker_dies(redis_u
         if rescuer is not None:
             rescuer.stop()
         doomed.kill()
+
+
+def test_a_stopping_worker_with_no_other_worker_finishes_its_runs(redis_url, gateway):
+    """At its drain deadline a worker hands runs over only if another worker of the model takes work:
+    alone, it finishes its greedy stream itself rather than leave the client waiting for a new one."""
+    model = f"alone-{uuid.uuid4().hex[:6]}"
+    alone = start_worker(redis_url, model, "--scripted-tokens-per-second", "20", "--drain-timeout", "0.5")
+    try:
+        wait_until_served(gateway, model)
+        body = {**_body(model, True, 60), "temperature": 0}
+        with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            seen = [next(lines) for _ in range(6)]
+            assert alone.stop(timeout=20) == 0  # returns once its stream is answered
+            text = "\n".join([*seen, *lines])
+        assert '"error"' not in text, text[-500:]
+        assert _stream_text(text) == " ".join(["tick", "tock"] * 30)
+        assert metric_value(gateway.url, "llmfleet_gateway_migrations_total", model=model) == 0
+    finally:
+        alone.kill()
