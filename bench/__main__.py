@@ -24,7 +24,8 @@ import sys
 import time
 import traceback
 
-from bench import affinity, cancel_latency, embeddings, engine_path, fair_share, gateway_capacity, report, routers
+from bench import (affinity, cancel_latency, embeddings, engine_path, fair_share, gateway_capacity, migration, report,
+                   routers)
 
 PARTS = {
     "gateway": lambda args: gateway_capacity.main(["--quick"] * args.quick + (["--before", args.before]
@@ -39,6 +40,7 @@ PARTS = {
     "affinity-vllm": lambda args: affinity.main(["--engine", "vllm", *["--quick"] * args.quick]),
     "embeddings": lambda args: embeddings.main(["--quick"] * args.quick),
     "routers": lambda args: routers.main(["--quick"] * args.quick),
+    "migration": lambda args: migration.main(["--seconds", "30" if args.quick else "60"]),
 }
 
 

@@ -53,7 +53,8 @@ def test_logprobs_across_the_join_are_refused_and_whole_ones_pass():
     entry = [{"token": "x", "logprob": -1.0, "bytes": [120], "top_logprobs": []}]
     with pytest.raises(Diverged):
         _joined(Replay(_sent(_delta("ab", logprobs=entry))), [_delta("abc", 2, logprobs=entry * 2)])
-    out = _joined(Replay(_sent(_delta("ab", logprobs=entry))), [_delta("ab", logprobs=entry), _delta("c", logprobs=entry)])
+    replay = Replay(_sent(_delta("ab", logprobs=entry)))
+    out = _joined(replay, [_delta("ab", logprobs=entry), _delta("c", logprobs=entry)])
     assert [(c.text, c.logprobs) for c in out] == [("c", entry)]
 
 
