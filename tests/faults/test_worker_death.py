@@ -283,3 +283,30 @@ def test_a_stopping_worker_with_no_other_worker_finishes_its_runs(redis_url, gat
         assert metric_value(gateway.url, "llmfleet_gateway_migrations_total", model=model) == 0
     finally:
         alone.kill()
+
+
+def test_a_responses_stream_goes_on_as_one_response_when_its_worker_dies(redis_url, gateway):
+    """The same below the Responses API: a greedy Responses stream whose worker is SIGKILLed
+    mid-stream is one response, its text whole, with no error event."""
+    model = f"doomed-{uuid.uuid4().hex[:6]}"
+    doomed = start_worker(redis_url, model, "--scripted-tokens-per-second", "20")
+    rescuer = None
+    try:
+        wait_until_served(gateway, model)
+        body = {"model": model, "input": "tick tock", "max_output_tokens": 60, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{gateway.url}/v1/responses", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            seen = [next(lines) for _ in range(24)]  # the response's and the item's starts, some deltas
+            doomed.kill()
+            rescuer = start_worker(redis_url, model, "--claim-idle", "1")
+            events = [json.loads(line[6:]) for line in [*seen, *lines] if line.startswith("data: ")]
+        kinds = [e["type"] for e in events]
+        assert "error" not in kinds and kinds.count("response.created") == 1, kinds
+        assert kinds[-1] == "response.incomplete", kinds  # max_output_tokens reached, as without the death
+        text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+        assert text == " ".join(["tick", "tock"] * 30)
+        assert events[-1]["response"]["usage"]["output_tokens"] == 60
+    finally:
+        if rescuer is not None:
+            rescuer.stop()
+        doomed.kill()
