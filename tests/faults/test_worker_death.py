@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -160,6 +161,35 @@ def _stream_chunks(body_text: str) -> list[dict]:
     return [json.loads(line[6:]) for line in body_text.splitlines() if line.startswith("data: {")]
 
 
+@contextlib.contextmanager
+def _a_greedy_stream_whose_worker_dies(redis_url, gateway, path: str, body: dict, lines_before: int,
+                                       *rescuer_args: str, headers: dict | None = None):
+    """POST a greedy stream of 60 tokens to `path` on a scripted worker (20 tokens/s), SIGKILL the
+    worker after `lines_before` lines and start another; yields (model, rescuer, every line of the
+    stream). `body` has no model: the model is new for each call."""
+    model = f"doomed-{uuid.uuid4().hex[:6]}"
+    doomed = start_worker(redis_url, model, "--scripted-tokens-per-second", "20")
+    rescuer = None
+    try:
+        wait_until_served(gateway, model)
+        with httpx.stream("POST", f"{gateway.url}{path}", json={**body, "model": model, "temperature": 0,
+                                                                "stream": True},
+                          headers=headers, timeout=60) as response:
+            lines = response.iter_lines()
+            seen = [next(lines) for _ in range(lines_before)]
+            doomed.kill()
+            rescuer = start_worker(redis_url, model, "--claim-idle", "1", *rescuer_args)
+            yield model, rescuer, [*seen, *lines]
+    finally:
+        if rescuer is not None:
+            rescuer.stop()
+        doomed.kill()
+
+
+def _events(lines: list[str]) -> list[dict]:
+    return [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+
+
 @pytest.mark.parametrize("migration_limit", [3, 0])
 def test_a_greedy_stream_goes_on_on_another_worker_when_its_worker_dies(redis_url, redis_client, gateway,
                                                                        migration_limit):
@@ -167,18 +197,11 @@ def test_a_greedy_stream_goes_on_on_another_worker_when_its_worker_dies(redis_ur
     and the gateway joins that replay where the client's stream stood (gateway/fleet/replay.py): one
     stream, no error, no text repeated or missing, usage counted once. With --migration-limit 0 the
     stream ends with the error it had before."""
-    model = f"doomed-{uuid.uuid4().hex[:6]}"
-    doomed = start_worker(redis_url, model, "--scripted-tokens-per-second", "20")
-    rescuer = None
-    try:
-        wait_until_served(gateway, model)
-        body = {**_body(model, True, 60), "temperature": 0, "stream_options": {"include_usage": True}}
-        with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", json=body, timeout=60) as response:
-            lines = response.iter_lines()
-            seen = [next(lines) for _ in range(12)]  # the role chunk and some tokens, with their blank lines
-            doomed.kill()
-            rescuer = start_worker(redis_url, model, "--claim-idle", "1", "--migration-limit", str(migration_limit))
-            text = "\n".join([*seen, *lines])
+    body = {**_body("", True, 60), "stream_options": {"include_usage": True}}
+    # 12 lines: the role chunk and some tokens, with their blank lines.
+    with _a_greedy_stream_whose_worker_dies(redis_url, gateway, "/v1/chat/completions", body, 12,
+                                            "--migration-limit", str(migration_limit)) as (model, rescuer, lines):
+        text = "\n".join(lines)
         chunks = _stream_chunks(text)
         if migration_limit == 0:
             error = chunks[-1]["error"]
@@ -194,10 +217,6 @@ def test_a_greedy_stream_goes_on_on_another_worker_when_its_worker_dies(redis_ur
         assert metric_value(rescuer.url, "llmfleet_worker_migrations_total") == 1
         assert metric_value(gateway.url, "llmfleet_gateway_migrations_total", model=model) == 1
         wait_for(lambda: not leftover_keys(redis_client), 10, "the request's keys to be settled")
-    finally:
-        if rescuer is not None:
-            rescuer.stop()
-        doomed.kill()
 
 
 def test_a_stopping_worker_hands_its_long_runs_over_at_its_drain_deadline(redis_url, redis_client, gateway):
@@ -240,29 +259,17 @@ def test_a_stopping_worker_hands_its_long_runs_over_at_its_drain_deadline(redis_
 def test_an_anthropic_stream_goes_on_as_one_message_when_its_worker_dies(redis_url, gateway):
     """The join is below the APIs: a greedy Anthropic Messages stream whose worker is SIGKILLed
     mid-stream is one message, its text whole, with no error event."""
-    model = f"doomed-{uuid.uuid4().hex[:6]}"
-    doomed = start_worker(redis_url, model, "--scripted-tokens-per-second", "20")
-    rescuer = None
-    try:
-        wait_until_served(gateway, model)
-        body = {"model": model, "max_tokens": 60, "temperature": 0, "stream": True,
-                "messages": [{"role": "user", "content": "tick tock"}]}
-        with httpx.stream("POST", f"{gateway.url}/v1/messages", json=body, timeout=60,
-                          headers={"x-api-key": "sk-any", "anthropic-version": "2023-06-01"}) as response:
-            lines = response.iter_lines()
-            seen = [next(lines) for _ in range(16)]  # message_start, the block's start, some deltas
-            doomed.kill()
-            rescuer = start_worker(redis_url, model, "--claim-idle", "1")
-            events = [json.loads(line[6:]) for line in [*seen, *lines] if line.startswith("data: ")]
-        kinds = [e["type"] for e in events]
-        assert "error" not in kinds and kinds.count("message_start") == 1 and kinds[-1] == "message_stop", kinds
-        text = "".join(e["delta"].get("text", "") for e in events if e["type"] == "content_block_delta")
-        assert text == " ".join(["tick", "tock"] * 30)
-        assert [e["usage"]["output_tokens"] for e in events if e["type"] == "message_delta"] == [60]
-    finally:
-        if rescuer is not None:
-            rescuer.stop()
-        doomed.kill()
+    body = {"max_tokens": 60, "messages": [{"role": "user", "content": "tick tock"}]}
+    headers = {"x-api-key": "sk-any", "anthropic-version": "2023-06-01"}
+    # 16 lines: message_start, the block's start, some deltas.
+    with _a_greedy_stream_whose_worker_dies(redis_url, gateway, "/v1/messages", body, 16,
+                                            headers=headers) as (_model, _rescuer, lines):
+        events = _events(lines)
+    kinds = [e["type"] for e in events]
+    assert "error" not in kinds and kinds.count("message_start") == 1 and kinds[-1] == "message_stop", kinds
+    text = "".join(e["delta"].get("text", "") for e in events if e["type"] == "content_block_delta")
+    assert text == " ".join(["tick", "tock"] * 30)
+    assert [e["usage"]["output_tokens"] for e in events if e["type"] == "message_delta"] == [60]
 
 
 def test_a_stopping_worker_with_no_other_worker_finishes_its_runs(redis_url, gateway):
@@ -288,25 +295,13 @@ def test_a_stopping_worker_with_no_other_worker_finishes_its_runs(redis_url, gat
 def test_a_responses_stream_goes_on_as_one_response_when_its_worker_dies(redis_url, gateway):
     """The same below the Responses API: a greedy Responses stream whose worker is SIGKILLed
     mid-stream is one response, its text whole, with no error event."""
-    model = f"doomed-{uuid.uuid4().hex[:6]}"
-    doomed = start_worker(redis_url, model, "--scripted-tokens-per-second", "20")
-    rescuer = None
-    try:
-        wait_until_served(gateway, model)
-        body = {"model": model, "input": "tick tock", "max_output_tokens": 60, "temperature": 0, "stream": True}
-        with httpx.stream("POST", f"{gateway.url}/v1/responses", json=body, timeout=60) as response:
-            lines = response.iter_lines()
-            seen = [next(lines) for _ in range(24)]  # the response's and the item's starts, some deltas
-            doomed.kill()
-            rescuer = start_worker(redis_url, model, "--claim-idle", "1")
-            events = [json.loads(line[6:]) for line in [*seen, *lines] if line.startswith("data: ")]
-        kinds = [e["type"] for e in events]
-        assert "error" not in kinds and kinds.count("response.created") == 1, kinds
-        assert kinds[-1] == "response.incomplete", kinds  # max_output_tokens reached, as without the death
-        text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
-        assert text == " ".join(["tick", "tock"] * 30)
-        assert events[-1]["response"]["usage"]["output_tokens"] == 60
-    finally:
-        if rescuer is not None:
-            rescuer.stop()
-        doomed.kill()
+    body = {"input": "tick tock", "max_output_tokens": 60}
+    # 24 lines: the response's and the item's starts, some deltas.
+    with _a_greedy_stream_whose_worker_dies(redis_url, gateway, "/v1/responses", body, 24) as (_m, _r, lines):
+        events = _events(lines)
+    kinds = [e["type"] for e in events]
+    assert "error" not in kinds and kinds.count("response.created") == 1, kinds
+    assert kinds[-1] == "response.incomplete", kinds  # max_output_tokens reached, as without the death
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert text == " ".join(["tick", "tock"] * 30)
+    assert events[-1]["response"]["usage"]["output_tokens"] == 60
