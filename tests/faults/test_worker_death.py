@@ -305,3 +305,54 @@ def test_a_responses_stream_goes_on_as_one_response_when_its_worker_dies(redis_u
     text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
     assert text == " ".join(["tick", "tock"] * 30)
     assert events[-1]["response"]["usage"]["output_tokens"] == 60
+
+
+def test_a_resumed_stream_whose_worker_died_is_one_stream(redis_url, gateway):
+    """A resumable greedy stream: its client hangs up, its worker is SIGKILLed, and the client
+    resumes (Last-Event-ID) while another worker takes the run over. What it read before and
+    after is one stream: event ids without a gap or a repeat, the text whole, one finish."""
+    model = f"doomed-{uuid.uuid4().hex[:6]}"
+    doomed = start_worker(redis_url, model, "--scripted-tokens-per-second", "20")
+    rescuer = None
+    try:
+        wait_until_served(gateway, model)
+        body = {**_body(model, True, 60), "temperature": 0, "resumable": True}
+        with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", json=body, timeout=30) as response:
+            before = _sse_events(response.iter_lines(), count=6)  # the role chunk and some tokens; then hang up
+        doomed.kill()
+        rescuer = start_worker(redis_url, model, "--claim-idle", "1")
+        stream_id = before[0][1]["id"]
+        with httpx.stream("GET", f"{gateway.url}/v1/streams/{stream_id}", timeout=60,
+                          headers={"Last-Event-ID": str(before[-1][0])}) as response:
+            assert response.status_code == 200
+            after = _sse_events(response.iter_lines())
+        events = before + after
+        assert [event_id for event_id, _ in events] == list(range(len(events)))
+        assert after[-1][1] == "[DONE]"
+        chunks = [data for _, data in events if data != "[DONE]"]
+        assert not any("error" in chunk for chunk in chunks), chunks[-1]
+        assert _stream_text("\n".join(f"data: {json.dumps(chunk)}" for chunk in chunks)) == " ".join(["tick", "tock"] * 30)
+        assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]] \
+            == ["length"]
+        assert metric_value(rescuer.url, "llmfleet_worker_migrations_total") == 1
+    finally:
+        if rescuer is not None:
+            rescuer.stop()
+        doomed.kill()
+
+
+def _sse_events(lines, count: int | None = None) -> list[tuple[int, object]]:
+    """(event id, data) of each SSE event, the first `count` of them or all."""
+    events, fields = [], {}
+    for line in lines:
+        if line:
+            name, _, value = line.partition(": ")
+            fields[name] = value
+            continue
+        if "data" in fields:
+            data = fields["data"]
+            events.append((int(fields["id"]), "[DONE]" if data == "[DONE]" else json.loads(data)))
+            if len(events) == count:
+                break
+        fields = {}
+    return events
