@@ -13,19 +13,20 @@ from typing import Any, TypeVar
 import msgpack
 import msgspec
 
-from shared.envelopes import WIRE_VERSION, CancelNotice, ChunkEnvelope, RequestEnvelope, WorkerInfo
+from shared.envelopes import WIRE_VERSION, CancelNotice, ChunkEnvelope, Continuation, RequestEnvelope, WorkerInfo
 from shared.errors import EnvelopeError
 
 MAX_ENVELOPE_BYTES = 8 * 1024 * 1024
 
-Envelope = TypeVar("Envelope", RequestEnvelope, ChunkEnvelope, CancelNotice, WorkerInfo)
+Envelope = TypeVar("Envelope", RequestEnvelope, ChunkEnvelope, CancelNotice, WorkerInfo, Continuation)
 
 _ENCODER = msgspec.msgpack.Encoder()
-_DECODERS = {kind: msgspec.msgpack.Decoder(kind) for kind in (RequestEnvelope, ChunkEnvelope, CancelNotice, WorkerInfo)}
+_DECODERS = {kind: msgspec.msgpack.Decoder(kind)
+             for kind in (RequestEnvelope, ChunkEnvelope, CancelNotice, WorkerInfo, Continuation)}
 _BATCH = msgspec.msgpack.Decoder(list[bytes])
 
 
-def encode(envelope: RequestEnvelope | ChunkEnvelope | CancelNotice | WorkerInfo) -> bytes:
+def encode(envelope: RequestEnvelope | ChunkEnvelope | CancelNotice | WorkerInfo | Continuation) -> bytes:
     """Raises OverflowError for an integer outside msgpack's 64 bits (JSON allows any)."""
     return _ENCODER.encode(envelope)
 

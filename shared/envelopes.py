@@ -142,10 +142,56 @@ class RequestEnvelope(Envelope):
         return self.stream and (self.params.temperature == 0 or self.params.seed is not None)
 
     @property
+    def continues(self) -> bool:
+        """A sampled stream that a worker taking it over continues from the text its client was
+        sent (`continued`): one choice of plain text (a chat answer, or a completion of one string
+        prompt), without logprobs, tools or a structured output, whose state a continuation
+        cannot rebuild. Its continuation is a valid sample, not the same sample."""
+        if not self.stream or self.replays_exactly or self.choice_count != 1 or self.params.logprobs is not None:
+            return False
+        body = self.body
+        if body.get("tools") or body.get("structured_outputs") or body.get("logprobs") or body.get("guided_json") \
+                or (body.get("response_format") or {}).get("type", "text") != "text":
+            return False
+        if self.kind == "chat":
+            return not body.get("continue_final_message")
+        return self.kind == "completion" and isinstance(body.get("prompt"), str) and not self.params.echo \
+            and not body.get("suffix")
+
+    def continued(self, state: Continuation) -> RequestEnvelope:
+        """This request, to continue where its client's stream stood: the text sent so far as the
+        start of the answer (chat: a final assistant message the model continues; completion: the
+        prompt's end), with the tokens it had left."""
+        body = dict(self.body)
+        if self.kind == "chat":
+            body["messages"] = [*body.get("messages", ()), {"role": "assistant", "content": state.text}]
+            body.update(continue_final_message=True, add_generation_prompt=False)
+        else:
+            body["prompt"] = body["prompt"] + state.text
+        params = msgspec.structs.replace(self.params, min_tokens=max(0, self.params.min_tokens - state.tokens))
+        for name in ("max_tokens", "max_completion_tokens"):
+            if isinstance(body.get(name), int):
+                body[name] = body[name] - state.tokens
+        if params.max_tokens is not None:
+            params.max_tokens = params.max_tokens - state.tokens
+        if body.get("min_tokens"):
+            body["min_tokens"] = params.min_tokens
+        return msgspec.structs.replace(self, body=body, params=params)
+
+    @property
     def choice_count(self) -> int:
         """The choices of the answer: n for each prompt. Choice `c` of prompt `p` has index
         p * n + c, as on `vllm serve`."""
         return self.params.n * len(self.prompts)
+
+
+class Continuation(Envelope):
+    """What the client of a stream was sent when its worker was lost, for the worker taking it over
+    to continue from (`RequestEnvelope.continued`): written by its gateway (keys.continuation_key)."""
+
+    text: str
+    tokens: NonNegative  # completion tokens sent
+    prompt_tokens: NonNegative  # of the request as the client sent it (the usage it is answered with)
 
 
 class ToolCallDelta(Envelope):

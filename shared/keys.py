@@ -143,6 +143,7 @@ HEARTBEAT_INTERVAL_S = 1.0
 MODEL_MEMORY_TTL_S = 3600
 
 CANCEL_MEMORY_TTL_S = 600  # how long a cancel waits for its run to show up
+CONTINUATION_TTL_S = 60  # a continuation's state: long enough for a takeover to read it
 DEAD_LETTER_MAXLEN = 10_000
 DEAD_LETTER_KEEP_BYTES = 64 * 1024  # of a poison envelope, kept for inspection
 CANCEL_CHANNEL = f"{PREFIX}:cancel"
@@ -229,6 +230,12 @@ def lease_key(request_id: str) -> str:
 
 def streamed_key(request_id: str) -> str:
     return f"{PREFIX}:streamed:{_tag(request_id)}"
+
+
+def continuation_key(request_id: str) -> str:
+    """What a stream's client was sent when its worker was lost (`envelopes.Continuation`), for the
+    worker that takes it over; written by its gateway, CONTINUATION_TTL_S."""
+    return f"{PREFIX}:continuation:{_tag(request_id)}"
 
 
 def cancel_group(tenant: str, *, cancel_id: str | None = None, session_id: str | None = None) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.fleet.replay import Diverged, Replay, Sent
-from shared.envelopes import GenerationChunk, ToolCallDelta, Usage
+from shared.envelopes import Continuation, GenerationChunk, RequestEnvelope, SamplingOptions, ToolCallDelta, Usage
 
 
 def _delta(text, tokens=1, index=0, **fields) -> GenerationChunk:
@@ -73,3 +73,58 @@ def test_each_choice_is_joined_where_it_stood():
     out = _joined(replay, [_delta("a", index=0), _delta("b", index=1), _delta("", 0, index=1, finish_reason="stop"),
                            _delta(" c", index=0)])
     assert [(c.choice_index, c.text, c.finish_reason) for c in out] == [(0, " c", None)]
+
+
+def _stream(kind="chat", **body) -> RequestEnvelope:
+    params = SamplingOptions(**{k: v for k, v in body.items() if k in ("temperature", "seed", "n", "logprobs",
+                                                                          "max_tokens", "min_tokens", "echo")})
+    body = {"messages": [{"role": "user", "content": "hi"}]} if kind == "chat" else {"prompt": "Once"}
+    return RequestEnvelope(request_id="r", model="m", kind=kind, reply_to="g", arrival=1.0, stream=True, body=body,
+                           params=params)
+
+
+@pytest.mark.parametrize(("kind", "body", "continues"), [
+    ("chat", {"temperature": 0.8}, True),
+    ("chat", {}, True),
+    ("completion", {"temperature": 0.8}, True),
+    ("chat", {"temperature": 0}, False),  # replayed exactly instead
+    ("chat", {"seed": 7}, False),
+    ("chat", {"n": 2}, False),
+    ("chat", {"logprobs": 2}, False),
+    ("completion", {"echo": True}, False),
+])
+def test_which_streams_a_takeover_continues(kind, body, continues):
+    assert _stream(kind, **body).continues is continues
+
+
+@pytest.mark.parametrize("body", [{"tools": [{"type": "function", "function": {"name": "f"}}]},
+                                  {"response_format": {"type": "json_object"}}, {"structured_outputs": {"regex": "a"}},
+                                  {"continue_final_message": True}])
+def test_a_chat_stream_whose_state_is_more_than_its_text_is_not_continued(body):
+    request = _stream()
+    request.body.update(body)
+    assert not request.continues
+
+
+def test_a_continued_chat_request_goes_on_from_the_text_sent():
+    request = _stream(max_tokens=60, min_tokens=10)
+    request.body.update(max_tokens=60, min_tokens=10)
+    continued = request.continued(Continuation(text="tick tock", tokens=12, prompt_tokens=2))
+    assert continued.body["messages"][-1] == {"role": "assistant", "content": "tick tock"}
+    assert (continued.body["continue_final_message"], continued.body["add_generation_prompt"]) == (True, False)
+    assert (continued.body["max_tokens"], continued.params.max_tokens) == (48, 48)
+    assert (continued.body["min_tokens"], continued.params.min_tokens) == (0, 0)
+    assert request.body["messages"] == [{"role": "user", "content": "hi"}] and request.params.max_tokens == 60
+
+
+def test_a_continued_completion_goes_on_from_the_text_sent():
+    continued = _stream("completion", max_tokens=16).continued(Continuation(text=" upon", tokens=1, prompt_tokens=1))
+    assert continued.body["prompt"] == "Once upon" and continued.params.max_tokens == 15
+
+
+def test_what_a_takeover_continues_from_is_the_text_sent_with_its_tokens():
+    sent = _sent(_delta("Once", 1, first_token=True, usage=Usage(prompt_tokens=3)), _delta(" upon a", 2))
+    assert sent.continuation() == Continuation(text="Once upon a", tokens=3, prompt_tokens=3)
+    assert _sent(_delta("", reasoning="hmm"), _delta("Once")).continuation() is None
+    assert _sent(_delta("Once", finish_reason="length")).continuation() is None
+    assert _sent(_delta("a"), _delta("b", index=1)).continuation() is None

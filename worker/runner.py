@@ -2,8 +2,9 @@
 
 Each request runs as a task of its own (`Runner.start`). It takes the request's lease and the
 cancel stashed for it while it waited, refuses it unstarted when it must not run (cancelled,
-past its deadline or queue timeout, half-sent by a worker that died, unless it replays exactly:
-see gateway/fleet/replay.py and `--migration-limit`), and otherwise dispatches
+past its deadline or queue timeout, half-sent by a worker that died, unless it replays exactly
+or is continued from what its client was sent: see gateway/fleet/replay.py and
+`--migration-limit`), and otherwise dispatches
 on what the engine is: a generation (`GenerationAdapter`: chat, completion), an encoder
 (`EncoderAdapter`: embed, score, rerank, classify, pooling) or a tokenizer (`TokenizerAdapter`:
 tokenize, detokenize). A request of a kind this worker's engine is not, or that `--kinds` leaves
@@ -33,9 +34,9 @@ from dataclasses import dataclass, field
 from redis.exceptions import RedisError
 
 from shared import keys, tracing
-from shared.codec import MAX_ENVELOPE_BYTES
-from shared.envelopes import Candidate, GenerationChunk, RequestEnvelope, Usage
-from shared.errors import EngineError, FleetError, InvalidRequest, ServiceUnavailable, WorkerLost
+from shared.codec import MAX_ENVELOPE_BYTES, decode
+from shared.envelopes import Candidate, Continuation, GenerationChunk, RequestEnvelope, Usage
+from shared.errors import EngineError, EnvelopeError, FleetError, InvalidRequest, ServiceUnavailable, WorkerLost
 from shared.logs import REQUEST_ID
 from shared.redis_batch import BatchedRedis
 from worker import metrics
@@ -57,6 +58,10 @@ request_log = logging.getLogger("llmfleet.requests")
 
 ABORT_GRACE_S = 2.0  # how long an aborted generation may take to yield its terminal chunk
 MAX_ANSWER_BYTES = MAX_ENVELOPE_BYTES - 64 * 1024  # an encoder's vectors, with room for the rest of its reply
+# A stream taken over to be continued waits this long for its gateway to say what its client was
+# sent (the gateway sees the worker dead about when its lease lapses: keys.HEARTBEAT_TTL_S).
+CONTINUATION_WAIT_S = 10.0
+CONTINUATION_POLL_S = 0.1
 
 
 class Runner:
@@ -138,10 +143,18 @@ class Runner:
             metrics.QUEUE_TIME.labels(self.model).observe(queued)
         runs = int(streamed or 0)  # runs of it that reached a client: 1 after the first, + each replay
         terminal = self._refuse_unstarted(request, stashed, runs)
+        state = None
         if terminal is None and runs:
             await self._note_replay(request, runs)
+            if request.continues:
+                state = await self._continuation(request)
+                if state is None and request.request_id in self.cancel_requested:
+                    terminal = _cancelled_terminal(request)
+                elif state is None:
+                    terminal = _error_terminal(WorkerLost("The worker generating this response stopped mid-stream; "
+                                                          "retry the request."))
         if terminal is None:
-            terminal = await self._answer(request)
+            terminal = await self._answer(request, state)
         if request.request_id in self.leases.lost:  # its answer is for the worker that took it over
             return
         await self._finish(stream, entry_id, request, terminal, queued, reclaimed)
@@ -181,17 +194,42 @@ class Runner:
             "decode_s": timings.get("decode_s"), "reclaimed": reclaimed or None}})
 
     async def _note_replay(self, request: RequestEnvelope, runs: int) -> None:
-        """Count a replay of a stream a dead worker had begun (its gateway joins it, gateway/fleet/replay.py)."""
+        """Count a takeover of a stream a dead worker had begun (its gateway joins or continues it,
+        gateway/fleet/replay.py)."""
         metrics.MIGRATIONS.labels(self.model).inc()
-        log.info("request %s: its worker stopped mid-stream; running it again (replay %d of at most %d)",
-                 request.request_id, runs, self.migration_limit)
+        log.info("request %s: its worker stopped mid-stream; %s (takeover %d of at most %d)", request.request_id,
+                 "continuing it" if request.continues else "running it again", runs, self.migration_limit)
         with contextlib.suppress(RedisError):  # unrecorded, the limit counts this replay at most once less
             await self.batched.set(keys.streamed_key(request.request_id), runs + 1, xx=True, keepttl=True)
+
+    async def _continuation(self, request: RequestEnvelope) -> Continuation | None:
+        """What the client of a stream taken over was sent, as its gateway saves it once it sees the
+        worker lost (gateway/fleet/runs.py): waited for up to CONTINUATION_WAIT_S; None if it does not
+        come (the gateway is gone, or the text alone cannot be continued), or cannot be continued here."""
+        waited_until = time.monotonic() + CONTINUATION_WAIT_S
+        while request.request_id not in self.cancel_requested:
+            try:
+                data = await self.batched.getdel(keys.continuation_key(request.request_id))
+            except RedisError as exc:
+                log.warning("request %s: could not read its continuation: %s", request.request_id, exc)
+                data = None
+            if data is not None:
+                try:
+                    state = decode(Continuation, data)
+                except EnvelopeError as exc:
+                    log.warning("request %s: its continuation is unreadable: %s", request.request_id, exc)
+                    return None
+                max_tokens = request.params.max_tokens
+                return state if max_tokens is None or state.tokens < max_tokens else None
+            if time.monotonic() > waited_until:
+                return None
+            await asyncio.sleep(CONTINUATION_POLL_S)
+        return None
 
     def _refuse_unstarted(self, request: RequestEnvelope, stashed: bytes | None,
                           runs: int) -> GenerationChunk | None:
         """The terminal chunk of a request that must not start (cancelled, stale, half-sent)."""
-        if runs and not (request.replays_exactly and runs <= self.migration_limit):
+        if runs and not ((request.replays_exactly or request.continues) and runs <= self.migration_limit):
             # a dead worker already sent part of it: running it again would repeat or change output
             return _error_terminal(WorkerLost("The worker generating this response stopped mid-stream; "
                                               "retry the request."))
@@ -216,11 +254,12 @@ class Runner:
                 "overloaded, retry later.", code="queue_timeout"))
         return None
 
-    async def _answer(self, request: RequestEnvelope) -> GenerationChunk:
-        """The request's terminal chunk, from the adapter of its kind of work."""
+    async def _answer(self, request: RequestEnvelope, state: Continuation | None = None) -> GenerationChunk:
+        """The request's terminal chunk, from the adapter of its kind of work (a generation: from
+        where its client's stream stood, given that)."""
         adapter = self.adapter
         if request.kind in GENERATION_KINDS and isinstance(adapter, GenerationAdapter):
-            return await self._generate(adapter, request)
+            return await self._generate(adapter, request, state)
         if request.kind in ENCODER_KINDS and isinstance(adapter, EncoderAdapter):
             return await self._encode(adapter, request)
         if request.kind in TOKENIZER_KINDS and isinstance(adapter, TokenizerAdapter):
@@ -275,9 +314,12 @@ class Runner:
         return asyncio.get_running_loop().call_later(
             delay, lambda: self.spawn(self.cancel(request.request_id, "deadline")))
 
-    async def _generate(self, adapter: GenerationAdapter, request: RequestEnvelope) -> GenerationChunk:
+    async def _generate(self, adapter: GenerationAdapter, request: RequestEnvelope,
+                        state: Continuation | None = None) -> GenerationChunk:
         """Run the generation, publishing deltas; return the terminal chunk (not yet published)."""
-        chunks = self._observe(adapter, request, adapter.generate(request))
+        generation = adapter.generate(request) if state is None else _continuing(adapter.generate(
+            request.continued(state)), state)
+        chunks = self._observe(adapter, request, generation)
         deadline = self._deadline_alarm(request)
         try:
             if not request.stream:
@@ -385,6 +427,25 @@ class Runner:
         if not done:
             log.warning("request %s ignored its abort; cancelling its task", request_id)
             task.cancel()
+
+
+async def _continuing(chunks: AsyncIterator[GenerationChunk], state: Continuation) -> AsyncIterator[GenerationChunk]:
+    """A continuation's chunks as the rest of the stream its client was reading: no second first
+    token or prompt size, and the usage of the whole answer (the prompt as the client sent it, every
+    completion token once)."""
+    try:
+        async for chunk in chunks:
+            if not chunk.done:
+                chunk.first_token = False
+                chunk.usage = None
+                chunk.prompt_token_ids = None
+            elif chunk.usage is not None:
+                chunk.usage.prompt_tokens = state.prompt_tokens
+                chunk.usage.completion_tokens += state.tokens
+                chunk.usage.cached_tokens = None
+            yield chunk
+    finally:
+        await chunks.aclose()
 
 
 @dataclass(slots=True)

@@ -34,9 +34,10 @@ class WorkerSettings:
     max_concurrency: int = setting(64, "Requests this worker runs at once (its slots).")
     metrics_port: int = setting(0, "Serve Prometheus metrics, vLLM's `vllm:*` series included, on this port (0: off).")
     claim_idle_s: float = setting(3.0, "Seconds a dead worker's unanswered request waits before it is taken over.")
-    migration_limit: int = setting(3, "Times one greedy or seeded stream may be run again from its start by a worker "
-                                   "that takes it over after its worker died mid-stream; its gateway joins the "
-                                   "replay where the client stood. Past it, or 0, such a stream ends with an error.")
+    migration_limit: int = setting(3, "Times one stream may be taken over by another worker after its worker died "
+                                   "mid-stream: a greedy or seeded one is run again from its start and joined "
+                                   "where its client stood, a sampled one continued from the text its client was "
+                                   "sent. Past it, or 0, such a stream ends with an error.")
     drain_timeout_s: float = setting(30.0, "Seconds a stopping worker (SIGTERM) lets its runs finish; then it hands the "
                                      "greedy or seeded streams and the non-streaming requests still running to the "
                                      "model's other workers, if one takes work (a stream goes on, joined where its "

@@ -192,6 +192,11 @@ class WorkerRegistry:
         view = self.models.get(model)
         return view is not None and bool(view.workers)
 
+    def takes_work(self, model: str) -> bool:
+        """Some live worker of `model` is not draining: it claims what is queued for the model."""
+        view = self.models.get(model)
+        return view is not None and any(not w.draining for w in view.workers)
+
     def kinds_of(self, model: str | None) -> set[str] | None:
         """What the live workers of `model` answer (of the only model served, when none is named, as
         `resolve` reads it), or None when no worker of it is live."""

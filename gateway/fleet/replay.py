@@ -14,13 +14,18 @@ numerics depend on the batch), the stream ends with the error it had before.
 What is not joined, and ends with that error: a takeover delta that carries logprobs or a tool
 call across the point where the client stood (only whole deltas of those are matched). The
 worker bounds how often one request is taken over this way (`--migration-limit`).
+
+A sampled stream of plain text (`RequestEnvelope.continues`) is continued instead: when its
+worker is seen dead, its gateway saves what the client was sent (`Sent.continuation`, under
+keys.continuation_key), and the worker that takes it over generates the rest after that text
+(`RequestEnvelope.continued`); its chunks follow the client's stream as they come.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.envelopes import GenerationChunk, SamplingOptions
+from shared.envelopes import Continuation, GenerationChunk, SamplingOptions
 
 
 def replayable(params: SamplingOptions) -> bool:
@@ -49,8 +54,11 @@ class Sent:
 
     def __init__(self) -> None:
         self.choices: dict[int, _Choice] = {}
+        self.prompt_tokens = 0  # the prompt's size, from the first delta's running usage
 
     def add(self, chunk: GenerationChunk) -> None:
+        if chunk.usage is not None and not self.prompt_tokens:
+            self.prompt_tokens = chunk.usage.prompt_tokens
         choice = self.choices.setdefault(chunk.choice_index, _Choice())
         if chunk.text:
             choice.text.append(chunk.text)
@@ -60,6 +68,15 @@ class Sent:
             choice.calls.append(_calls(chunk))
         choice.tokens += chunk.token_count
         choice.finished = choice.finished or chunk.finish_reason is not None
+
+
+    def continuation(self) -> Continuation | None:
+        """What a takeover continues from; None where the text alone does not hold the answer's state
+        (reasoning or a tool call was sent, or the choice's end)."""
+        choice = self.choices.get(0, _Choice())
+        if len(self.choices) > 1 or choice.reasoning or choice.calls or choice.finished:
+            return None
+        return Continuation(text="".join(choice.text), tokens=choice.tokens, prompt_tokens=self.prompt_tokens)
 
 
 class Diverged(Exception):

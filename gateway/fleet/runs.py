@@ -19,7 +19,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import NoReturn, Protocol
@@ -38,7 +38,15 @@ from gateway.fleet.sessions import SessionStore
 from gateway.settings import GatewaySettings
 from shared import affinity, fair_queue, keys, redis_pool
 from shared.codec import encode
-from shared.envelopes import Candidate, ChunkEnvelope, GenerationChunk, RequestEnvelope, Usage, WorkerInfo
+from shared.envelopes import (
+    Candidate,
+    ChunkEnvelope,
+    Continuation,
+    GenerationChunk,
+    RequestEnvelope,
+    Usage,
+    WorkerInfo,
+)
 from shared.errors import FleetError, InvalidRequest, Overloaded, ServiceUnavailable, WorkerLost, error_from_info
 from shared.redis_batch import BatchedRedis
 from shared.stopping import stop_tasks, within
@@ -51,9 +59,9 @@ REDIS_CONNECTIONS = 200  # per gateway process; the reply reader and registry ho
 REDIS_POOL_WAIT_S = 5.0  # longest wait for a free connection before the request gets a 503
 SILENCE_CHECK_S = 0.5  # how often a silent request checks its deadline and that its worker still lives
 QUEUE_ALARM_LAG_S = 0.005  # a timer may fire a little before its time: the queue deadline has passed by then
-# How long a stream that replays exactly waits, once its worker is seen dead, for another worker to
-# take it over: the lease lapses (LEASE_TTL_S), the entry has been claimed for a worker's
-# --claim-idle (3 s) and a reclaim turn comes (half that), then the takeover's first chunk.
+# How long a stream that a takeover replays or continues waits, once its worker is seen dead, for
+# another worker to take it over: the lease lapses (LEASE_TTL_S), the entry has been claimed for a
+# worker's --claim-idle (3 s) and a reclaim turn comes (half that), then the takeover's first chunk.
 TAKEOVER_WAIT_S = 10.0
 # A stop takes at most STOP_GRACE_S + 2 * STOP_CANCEL_S + REDIS_CLOSE_S, whatever Redis does.
 STOP_GRACE_S = 2.0  # the cancels and unregistering of the last runs may take this long
@@ -75,7 +83,7 @@ class Run:
     owner does the rest when its `async with` ends, or earlier when asked (`Fleet.end`)."""
 
     def __init__(self, envelope: RequestEnvelope, replies: asyncio.Queue[ChunkEnvelope | None],
-                 registry: WorkerRegistry):
+                 registry: WorkerRegistry, save_continuation: Callable[[str, Continuation], object] | None = None):
         self.envelope = envelope
         self.request_id = envelope.request_id
         self._replies = replies
@@ -94,8 +102,10 @@ class Run:
         self._next_seq = 0
         self._lease = 0  # the newest lease of the request heard from (`ChunkEnvelope.lease`)
         self._heard_at = 0.0  # when (monotonic) its worker last sent something
-        # A stream that replays exactly: what it sent, for a takeover's replay to be joined to it.
-        self._sent = Sent() if envelope.replays_exactly else None
+        # A stream a takeover replays or continues: what it sent, to join the replay to, or to continue from.
+        self._sent = Sent() if envelope.replays_exactly or envelope.continues else None
+        self._save_continuation = save_continuation
+        self._continued_from: Continuation | None = None  # what it saved for a takeover to continue from
         self._replay: Replay | None = None
         self._lost_at = 0.0  # when (monotonic) its streaming worker was seen dead; 0: it was not
 
@@ -167,12 +177,20 @@ class Run:
     def _follow_lease(self, lease: int, previous_worker: str) -> None:
         """Follow the worker holding the newest lease. One that took the request over starts it
         anew: if an earlier worker's output already reached the client, the response goes on only
-        where the takeover replays it exactly (gateway/fleet/replay.py), joined where it stood."""
+        where the takeover replays it exactly, joined where it stood, or continues it from there
+        (gateway/fleet/replay.py)."""
         if self._next_seq > 0:
             if self._sent is None:
                 self.close(reason="worker_lost")
                 raise WorkerLost("The worker generating this response stopped mid-stream; retry the request.")
-            self._replay = Replay(self._sent)
+            if self.envelope.replays_exactly:
+                self._replay = Replay(self._sent)
+            elif self._continued_from is None or self._continued_from != self._sent.continuation():
+                # Not a continuation of what the client has: nothing was saved for it, or more was
+                # relayed since (from the earlier worker, before it learned of its lost lease).
+                self.close(reason="worker_lost")
+                raise WorkerLost("The worker generating this response stopped mid-stream; retry the request.")
+            self._continued_from = None
             self._next_seq = 0
             cause = "drain" if self._registry.was_draining(previous_worker) else "worker_lost"
             metrics.MIGRATIONS.labels(self.envelope.model, cause).inc()
@@ -208,9 +226,19 @@ class Run:
                                      "request waited for one until its queue timeout.", code="queue_timeout")
 
     def _awaiting_takeover(self) -> bool:
-        """A stream that replays exactly waits up to TAKEOVER_WAIT_S for a worker to take it over."""
+        """A stream that a takeover replays or continues waits up to TAKEOVER_WAIT_S for a worker to
+        take it over, while one of its model lives to do so; one to be continued first saves what
+        its client was sent, for that worker."""
         now = time.monotonic()
-        self._lost_at = self._lost_at or now
+        if not self._registry.takes_work(self.envelope.model):
+            return False
+        if not self._lost_at:
+            if self.envelope.continues:
+                if (state := self._sent.continuation()) is None or self._save_continuation is None:
+                    return False
+                self._save_continuation(self.request_id, state)
+                self._continued_from = state
+            self._lost_at = now
         return now - self._lost_at < TAKEOVER_WAIT_S
 
     def _worker_alive(self) -> bool:
@@ -332,7 +360,7 @@ class Fleet:
         self.check_open(envelope)
         grant = await self.limits.admit(envelope, key)  # its key's limits (404, 429), before anything is registered
         envelope.reply_to = self.router.stream
-        run = Run(envelope, self.router.open(envelope.request_id), self.registry)
+        run = Run(envelope, self.router.open(envelope.request_id), self.registry, self._save_continuation)
         run.grant = grant  # released by the run's ending, on every path
         try:
             await self._queue(run)
@@ -389,6 +417,16 @@ class Fleet:
             self.router.close(run.request_id)
             run.ending = self.spawn(self._unregister(run))
         return run.ending
+
+    def _save_continuation(self, request_id: str, state: Continuation) -> None:
+        """Keep what a stream's client was sent, for the worker that takes it over to continue from."""
+        async def save() -> None:
+            try:
+                await self.batched.set(keys.continuation_key(request_id), encode(state), ex=keys.CONTINUATION_TTL_S)
+            except (RedisError, OSError) as exc:  # the takeover then ends the stream with the worker's error
+                log.warning("request %s: could not save its continuation: %s", request_id, exc)
+
+        self.spawn(save())
 
     def _cancel_slow_client(self, request_id: str) -> None:
         metrics.SLOW_CLIENTS.inc()

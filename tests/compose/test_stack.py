@@ -50,13 +50,14 @@ class StreamRun:
     ended_at: float = 0.0
 
 
-def stream(api: openai.OpenAI, max_tokens: int, model: str = "scripted") -> StreamRun:
+def stream(api: openai.OpenAI, max_tokens: int, model: str = "scripted", **options) -> StreamRun:
     result = StreamRun()
 
     def follow() -> None:
         try:
             for chunk in api.chat.completions.create(model=model, max_tokens=max_tokens, stream=True,
-                                                     messages=[{"role": "user", "content": " ".join(WORDS)}]):
+                                                     messages=[{"role": "user", "content": " ".join(WORDS)}],
+                                                     **options):
                 if chunk.choices and chunk.choices[0].delta.content:
                     result.text += chunk.choices[0].delta.content
                     result.first_token.set()
@@ -99,12 +100,13 @@ def test_the_openai_sdk_streams_through_nginx_to_both_models(stack):
 
 
 def test_a_killed_worker_fails_its_streams_fast_and_the_other_serves_the_queue(stack):
-    """SIGKILL one scripted worker while both are full: its 8 streams end with an error within
-    5 s, the other's 8 finish, and the 4 requests waiting in the queue are served by the survivor."""
+    """SIGKILL one scripted worker while both are full of streams that no other worker can go on
+    with (they ask for logprobs): its 8 streams end with an error within 5 s, the other's 8
+    finish, and the 4 requests waiting in the queue are served by the survivor."""
     api = client(stack)
     victim, survivor = stack.running("scripted")
     served_before = metric_sum(survivor, 8001, "llmfleet_worker_requests_total", finish_reason="length")
-    running = [stream(api, max_tokens=200) for _ in range(2 * SLOTS_PER_WORKER)]  # 10 s each
+    running = [stream(api, max_tokens=200, logprobs=True) for _ in range(2 * SLOTS_PER_WORKER)]  # 10 s each
     for run_ in running:
         assert run_.first_token.wait(30) and run_.error is None, run_.error
     queued = [stream(api, max_tokens=10) for _ in range(4)]
@@ -124,6 +126,35 @@ def test_a_killed_worker_fails_its_streams_fast_and_the_other_serves_the_queue(s
     assert all(r.error is None and r.text == scripted_text(10) for r in queued), [r.error for r in queued]
     served = metric_sum(survivor, 8001, "llmfleet_worker_requests_total", finish_reason="length") - served_before
     assert served == SLOTS_PER_WORKER + 4
+
+    stack("up", "-d", "--no-recreate", "--scale", "scripted=2", "scripted")  # starts the killed container again
+    stack.wait_healthy("scripted", 2, 60)
+    wait_live_workers(stack, "scripted", 2)
+
+
+def test_a_killed_workers_streams_go_on_on_the_other_worker(stack):
+    """docker kill of a scripted worker in the middle of greedy and sampled streams: the other
+    worker takes them over and each client reads its whole text, with no error (a greedy stream's
+    replay is joined where its client stood, a sampled one is continued from there:
+    docs/reliability.md)."""
+    api = client(stack)
+    workers = stack.running("scripted")
+    gateways = stack.running("gateway")
+    migrated_before = sum(metric_sum(g, 8000, "llmfleet_gateway_migrations_total") for g in gateways)
+    runs = [stream(api, max_tokens=60, temperature=t) for t in (0, 0, 0.8, 0.8, 0, 0.8)]  # 3 s each
+    for run_ in runs:
+        assert run_.first_token.wait(30) and run_.error is None, run_.error
+    holding = {w.id: metric_sum(w, 8001, "llmfleet_worker_in_flight") for w in workers}
+    victim = max(workers, key=lambda w: holding[w.id])
+    killed_at = time.monotonic()
+    run("docker", "kill", victim.id)
+    wait_ended(runs, 60)
+
+    assert all(r.error is None for r in runs), [str(r.error) for r in runs]
+    assert all(r.finish_reason == "length" and r.text == scripted_text(60) for r in runs), [r.text for r in runs]
+    TIMINGS["greedy_streams_after_a_kill_ended_s"] = sorted(round(r.ended_at - killed_at, 2) for r in runs)
+    migrated = sum(metric_sum(g, 8000, "llmfleet_gateway_migrations_total") for g in gateways) - migrated_before
+    assert migrated == holding[victim.id] > 0
 
     stack("up", "-d", "--no-recreate", "--scale", "scripted=2", "scripted")  # starts the killed container again
     stack.wait_healthy("scripted", 2, 60)

@@ -1,8 +1,9 @@
 """vLLM workers that die: SIGKILLed mid-generation, or their engine core dying under them. Never a hang.
 
 - A worker SIGKILLed mid-generation: its non-streaming request is rerun by another vLLM worker of
-  the model with the same answer, and its greedy stream goes on, joined where it stood
-  (gateway/fleet/replay.py): the text, finish reason and usage of the uninterrupted answer.
+  the model with the same answer, its greedy stream goes on, joined where it stood
+  (gateway/fleet/replay.py): the text, finish reason and usage of the uninterrupted answer, and
+  its sampled stream is continued from where it stood, to its full length, counted once.
 - A worker whose engine core dies under a running request: the request fails, the worker exits
   non-zero and leaves the registry.
 
@@ -76,14 +77,25 @@ def test_vllm_worker_killed_mid_generation(vllm_stack, mortal_worker, mortal_spa
             except httpx.HTTPError as exc:
                 result["response"] = exc
 
+        def sampled_stream() -> None:  # continued by the rescuer after the death
+            body = {"messages": MESSAGES, "max_tokens": 1500, "temperature": 1.0, "ignore_eos": True,
+                    "model": MORTAL_MODEL, "stream": True, "stream_options": {"include_usage": True}}
+            try:
+                with httpx.stream("POST", url, json=body, timeout=60) as response:
+                    result["sampled"] = [line for line in response.iter_lines() if line.startswith("data: {")]
+            except httpx.HTTPError as exc:
+                result["sampled"] = exc
+
         rerun = threading.Thread(target=whole_answer)
         rerun.start()
+        sampled = threading.Thread(target=sampled_stream)
+        sampled.start()
         streamed = {**request, "model": MORTAL_MODEL, "stream": True, "stream_options": {"include_usage": True}}
         with httpx.stream("POST", url, json=streamed, timeout=60) as stream:
             lines = stream.iter_lines()
             data = [next(lines)]
-            wait_for(lambda: metric_value(doomed.url, "llmfleet_worker_in_flight") == 2, 20,
-                     "the doomed worker to run both requests")
+            wait_for(lambda: metric_value(doomed.url, "llmfleet_worker_in_flight") == 3, 20,
+                     "the doomed worker to run the three requests")
             _kill_with_engine(doomed)
             killed_at = time.monotonic()
             os.kill(rescuer.pid, signal.SIGCONT)
@@ -108,8 +120,15 @@ def test_vllm_worker_killed_mid_generation(vllm_stack, mortal_worker, mortal_spa
             "finish_reason"]
         counts = ("prompt_tokens", "completion_tokens", "total_tokens")
         assert [chunks[-1]["usage"][k] for k in counts] == [whole["usage"][k] for k in counts]
-        assert metric_value(rescuer.url, "llmfleet_worker_reclaimed_total") == 2
-        assert metric_value(rescuer.url, "llmfleet_worker_migrations_total") == 1  # the stream's replay
+        # The sampled stream: continued, not repeated, to its full length; the prompt counted once.
+        sampled.join(60)
+        continued = [json.loads(line[6:]) for line in result["sampled"]]
+        assert not [c for c in continued if "error" in c], continued[-1]
+        assert [c["choices"][0]["finish_reason"] for c in continued if c["choices"]][-1] == "length"
+        assert (continued[-1]["usage"]["prompt_tokens"], continued[-1]["usage"]["completion_tokens"]) == (
+            whole["usage"]["prompt_tokens"], 1500)
+        assert metric_value(rescuer.url, "llmfleet_worker_reclaimed_total") == 3
+        assert metric_value(rescuer.url, "llmfleet_worker_migrations_total") == 2  # a replay and a continuation
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(rescuer.pid, signal.SIGCONT)

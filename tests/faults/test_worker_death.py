@@ -163,16 +163,17 @@ def _stream_chunks(body_text: str) -> list[dict]:
 
 @contextlib.contextmanager
 def _a_greedy_stream_whose_worker_dies(redis_url, gateway, path: str, body: dict, lines_before: int,
-                                       *rescuer_args: str, headers: dict | None = None):
+                                       *rescuer_args: str, headers: dict | None = None, temperature: float = 0):
     """POST a greedy stream of 60 tokens to `path` on a scripted worker (20 tokens/s), SIGKILL the
     worker after `lines_before` lines and start another; yields (model, rescuer, every line of the
-    stream). `body` has no model: the model is new for each call."""
+    stream). `body` has no model: the model is new for each call. With a `temperature`, the stream
+    is a sampled one (the scripted engine's text is the same)."""
     model = f"doomed-{uuid.uuid4().hex[:6]}"
     doomed = start_worker(redis_url, model, "--scripted-tokens-per-second", "20")
     rescuer = None
     try:
         wait_until_served(gateway, model)
-        with httpx.stream("POST", f"{gateway.url}{path}", json={**body, "model": model, "temperature": 0,
+        with httpx.stream("POST", f"{gateway.url}{path}", json={**body, "model": model, "temperature": temperature,
                                                                 "stream": True},
                           headers=headers, timeout=60) as response:
             lines = response.iter_lines()
@@ -207,6 +208,34 @@ def test_a_greedy_stream_goes_on_on_another_worker_when_its_worker_dies(redis_ur
             error = chunks[-1]["error"]
             assert (error["code"], error["type"]) == (502, "BadGatewayError")
             assert metric_value(rescuer.url, "llmfleet_worker_migrations_total") == 0
+            return
+        assert not any("error" in c for c in chunks), text[-500:]
+        assert _stream_text(text) == " ".join(["tick", "tock"] * 30)
+        assert [c["choices"][0]["delta"].get("role") for c in chunks if c["choices"]].count("assistant") == 1
+        assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+        usage = chunks[-1]["usage"]
+        assert (usage["prompt_tokens"], usage["completion_tokens"]) == (2, 60)
+        assert metric_value(rescuer.url, "llmfleet_worker_migrations_total") == 1
+        assert metric_value(gateway.url, "llmfleet_gateway_migrations_total", model=model) == 1
+        wait_for(lambda: not leftover_keys(redis_client), 10, "the request's keys to be settled")
+
+
+@pytest.mark.parametrize("migration_limit", [3, 0])
+def test_a_sampled_stream_is_continued_on_another_worker_when_its_worker_dies(redis_url, redis_client, gateway,
+                                                                             migration_limit):
+    """SIGKILL of the worker streaming a sampled request: its gateway saves what the client was sent,
+    and the worker that takes it over continues the answer from there (the scripted engine goes on
+    with its script after the text so far): one stream, no error, the usage of one answer. With
+    --migration-limit 0 the stream ends with the error it had before."""
+    body = {**_body("", True, 60), "stream_options": {"include_usage": True}}
+    with _a_greedy_stream_whose_worker_dies(redis_url, gateway, "/v1/chat/completions", body, 12,
+                                            "--migration-limit", str(migration_limit),
+                                            temperature=0.8) as (model, rescuer, lines):
+        text = "\n".join(lines)
+        chunks = _stream_chunks(text)
+        if migration_limit == 0:
+            error = chunks[-1]["error"]
+            assert (error["code"], error["type"]) == (502, "BadGatewayError")
             return
         assert not any("error" in c for c in chunks), text[-500:]
         assert _stream_text(text) == " ".join(["tick", "tock"] * 30)
@@ -331,7 +360,8 @@ def test_a_resumed_stream_whose_worker_died_is_one_stream(redis_url, gateway):
         assert after[-1][1] == "[DONE]"
         chunks = [data for _, data in events if data != "[DONE]"]
         assert not any("error" in chunk for chunk in chunks), chunks[-1]
-        assert _stream_text("\n".join(f"data: {json.dumps(chunk)}" for chunk in chunks)) == " ".join(["tick", "tock"] * 30)
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+        assert text == " ".join(["tick", "tock"] * 30)
         assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]] \
             == ["length"]
         assert metric_value(rescuer.url, "llmfleet_worker_migrations_total") == 1

@@ -1,7 +1,8 @@
 """A model-free adapter that generates deterministic text, for tests and gateway benchmarks.
 
 The script: the words of the prompt (the last user message for chat) repeated in order, one
-word per token, until `max_tokens` (16 when unset) or a stop string. Prompt tokens are the
+word per token, until `max_tokens` (16 when unset) or a stop string. A chat request that continues
+a final assistant message (`continue_final_message`) goes on with the script after its words. Prompt tokens are the
 words of every message. With n > 1 every choice gets the same words, prefixed by its number
 among its prompt's choices ("1:hello") when that is not 0, so choices are told apart. A
 completion with several prompts answers each, its n choices at indexes prompt * n + choice.
@@ -81,6 +82,16 @@ def script_words(request: RequestEnvelope) -> list[tuple[list[str], int]]:
     return [_prompt_words(prompt) for prompt in request.prompts]
 
 
+def words_written(request: RequestEnvelope) -> int:
+    """The script's words a chat request's final assistant message already holds, when the request
+    continues it (vLLM's `continue_final_message`); 0 otherwise."""
+    messages = request.body.get("messages") or ()
+    if request.kind != "chat" or not request.body.get("continue_final_message") or not messages \
+            or messages[-1].get("role") != "assistant":
+        return 0
+    return len(_message_text(messages[-1]).split())
+
+
 def _prompt_words(prompt: str | list[int] | None) -> tuple[list[str], int]:
     if isinstance(prompt, list):
         return [str(token) for token in prompt] or ["ok"], len(prompt)
@@ -146,7 +157,7 @@ class ScriptedAdapter(GenerationAdapter):
                 async with self._prefill:
                     await self._pause((len(tokens) - cached) * self.prefill_per_token, aborted)
             async for chunk in self._run(prompts, max_tokens, params.n, params.stop or [], aborted,
-                                         params.logprobs, request.kind):
+                                         params.logprobs, request.kind, words_written(request)):
                 if chunk.done:
                     chunk.usage.cached_tokens = cached
                     if self.cache is not None and len(prompts) == 1:
@@ -164,7 +175,7 @@ class ScriptedAdapter(GenerationAdapter):
         else:
             await asyncio.sleep(0)  # let cancels and other requests in between tokens
 
-    async def _run(self, prompts, max_tokens, n, stops, aborted, logprobs, kind):
+    async def _run(self, prompts, max_tokens, n, stops, aborted, logprobs, kind, written=0):
         await self._pause(self.first_token_delay, aborted)
         if self.loop_stall:
             time.sleep(self.loop_stall)  # blocking on purpose: nothing else on the loop runs meanwhile
@@ -181,8 +192,9 @@ class ScriptedAdapter(GenerationAdapter):
                 if finish[index] is not None:
                     continue
                 (words, prompt_tokens), choice = prompts[index // n], index % n
-                word = words[step % len(words)]
-                piece = (word if step == 0 else " " + word) if choice == 0 else f"{' ' if step else ''}{choice}:{word}"
+                at = written + step  # the script's word to write
+                word = words[at % len(words)]
+                piece = (word if at == 0 else " " + word) if choice == 0 else f"{' ' if at else ''}{choice}:{word}"
                 generated += 1
                 chunk = _delta(index, piece, generated == 1, logprobs, kind, len(texts[index]))
                 if texts[index] == "":  # the prompt's size, for running usage
