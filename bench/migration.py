@@ -1,18 +1,20 @@
-"""Greedy streams while workers die: what the clients see when a worker is SIGKILLed every few seconds.
+"""Streams while workers die: what the clients see when a worker is SIGKILLed every few seconds.
 
 Scripted workers (`--workers`, each at `--tokens-per-second`), one gateway and Redis, as real
 processes with the product's defaults (`--claim-idle` 3 s, heartbeat and lease TTL 3 s).
-`--clients` clients send greedy streams (`temperature: 0`, `--max-tokens` each) back to back for
-`--seconds`. Every `--kill-every` seconds one worker, chosen at random, is SIGKILLed and a new one
-started in its place. A stream whose worker dies goes on on another worker, its replay joined
-where it stood (gateway/fleet/replay.py).
+`--clients` clients send streams (`--max-tokens` each) back to back for `--seconds`. Every
+`--kill-every` seconds one worker, chosen at random, is SIGKILLed and a new one started in its
+place. A stream whose worker dies goes on on another worker (gateway/fleet/replay.py): a greedy
+one (`temperature: 0`) is run again and joined where it stood; a sampled one (`temperature: 0.8`)
+is continued from the text its client was sent. One run for each of `--temperatures` (default:
+both kinds), on fresh processes.
 
-Reported: streams, how many ended complete (the whole expected text, no error event), how many
-with an error; how many were joined to a replay (the gateway's migrations counter); and for
-those, the pause the client saw (the longest gap between two of its chunks; a stream that did not
-move has gaps of one token), p50, p99 and max.
+Reported, per run: streams, how many ended complete (the whole expected text, no error event), how
+many with an error; how many moved (the gateway's migrations counter); and for those, the pause
+the client saw (the longest gap between two of its chunks; a stream that did not move has gaps
+of one token), p50, p99 and max.
 
-    python -m bench.migration [--seconds 60] [--clients 16] [--workers 3] [--kill-every 10]
+    python -m bench.migration [--seconds 60] [--clients 16] [--workers 3] [--kill-every 10] [--temperatures 0,0.8]
 
 Writes bench/results/migration.json and .png, prints a markdown table.
 """
@@ -34,9 +36,9 @@ MODEL = "migrating"
 WORDS = ["tick", "tock"]
 
 
-def _stream(url: str, max_tokens: int) -> dict:
+def _stream(url: str, max_tokens: int, temperature: float) -> dict:
     body = {"model": MODEL, "messages": [{"role": "user", "content": " ".join(WORDS)}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True}
+            "temperature": temperature, "stream": True}
     text, error, stamps = "", None, []
     try:
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as response:
@@ -57,7 +59,7 @@ def _stream(url: str, max_tokens: int) -> dict:
 
 
 def run(seconds: float, clients: int, workers: int, kill_every: float, tokens_per_second: int,
-        max_tokens: int) -> dict:
+        max_tokens: int, temperature: float) -> dict:
     rng = random.Random(7)
     results: list[dict] = []
     lock = threading.Lock()
@@ -72,7 +74,7 @@ def run(seconds: float, clients: int, workers: int, kill_every: float, tokens_pe
 
         def client() -> None:
             while time.monotonic() < end:
-                result = _stream(gateway.url, max_tokens)
+                result = _stream(gateway.url, max_tokens, temperature)
                 with lock:
                     results.append(result)
 
@@ -89,7 +91,7 @@ def run(seconds: float, clients: int, workers: int, kill_every: float, tokens_pe
             fresh = start_worker(stack.redis.url, MODEL, *pace)
             fleet.append(fresh)
             stack.procs.append(fresh)
-            progress("workers killed", kills, total_kills)
+            progress(f"workers killed (temperature {temperature})", kills, total_kills)
         for thread in threads:
             thread.join(180)
         migrations = metric_value(gateway.url, "llmfleet_gateway_migrations_total", model=MODEL)
@@ -98,8 +100,9 @@ def run(seconds: float, clients: int, workers: int, kill_every: float, tokens_pe
     return {
         "config": {"seconds": seconds, "clients": clients, "workers": workers, "kill_every_s": kill_every,
                    "tokens_per_second": tokens_per_second, "max_tokens": max_tokens},
-        "kills": kills, "streams": len(results), "complete": sum(r["complete"] for r in results),
-        "errors": sum(r["error"] is not None for r in results), "joined": int(migrations),
+        "temperature": temperature, "kills": kills, "streams": len(results),
+        "complete": sum(r["complete"] for r in results),
+        "errors": sum(r["error"] is not None for r in results), "moved": int(migrations),
         "pause_p50_s": percentile(moved, 50), "pause_p99_s": percentile(moved, 99),
         "pause_max_s": max(moved, default=None),
         "unmoved_pause_p99_s": percentile(pauses[: len(pauses) - len(moved)], 99),
@@ -107,17 +110,20 @@ def run(seconds: float, clients: int, workers: int, kill_every: float, tokens_pe
     }
 
 
+def _kind(run_: dict) -> str:
+    return "greedy (replayed)" if run_["temperature"] == 0 else f"sampled, {run_['temperature']:g} (continued)"
+
+
 def table(result: dict) -> str:
     def s(value):
         return "-" if value is None else f"{value:.2f}"
-    return "\n".join([
-        "| kills | streams | complete | errors | joined to a replay | pause p50 (s) | pause p99 (s) | pause max (s) "
-        "| others' longest gap p99 (s) |",
-        "|---|---|---|---|---|---|---|---|---|",
-        f"| {result['kills']} | {result['streams']} | {result['complete']} | {result['errors']} | {result['joined']} "
-        f"| {s(result['pause_p50_s'])} | {s(result['pause_p99_s'])} | {s(result['pause_max_s'])} "
-        f"| {s(result['unmoved_pause_p99_s'])} |",
-    ])
+    lines = ["| streams | kills | streams run | complete | errors | moved | pause p50 (s) | pause p99 (s) "
+             "| pause max (s) | others' longest gap p99 (s) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for run_ in result["runs"]:
+        lines.append(f"| {_kind(run_)} | {run_['kills']} | {run_['streams']} | {run_['complete']} | {run_['errors']} "
+                     f"| {run_['moved']} | {s(run_['pause_p50_s'])} | {s(run_['pause_p99_s'])} "
+                     f"| {s(run_['pause_max_s'])} | {s(run_['unmoved_pause_p99_s'])} |")
+    return "\n".join(lines)
 
 
 def plot(result: dict) -> None:
@@ -127,10 +133,14 @@ def plot(result: dict) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.4))
-    ax.hist(result["moved_pauses_s"] or [0], bins=20, color="#3b7dd8")
+    top = max((max(r["moved_pauses_s"], default=0) for r in result["runs"]), default=0) or 1
+    for run_, color in zip(result["runs"], ("#3b7dd8", "#e07b39", "#5aa469"), strict=False):
+        ax.hist(run_["moved_pauses_s"] or [0], bins=20, range=(0, top), alpha=0.7, color=color,
+                label=f"{_kind(run_)}: {run_['moved']} moved")
     ax.set_xlabel("pause a moved stream's client saw (s)")
     ax.set_ylabel("streams")
-    ax.set_title(f"{result['joined']} streams joined to a replay, {result['kills']} workers killed")
+    ax.set_title(f"streams moved while a worker was killed every {result['runs'][0]['config']['kill_every_s']:g} s")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     RESULTS.mkdir(parents=True, exist_ok=True)
     fig.savefig(RESULTS / "migration.png", dpi=110)
@@ -145,9 +155,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--kill-every", type=float, default=10)
     parser.add_argument("--tokens-per-second", type=int, default=50)
     parser.add_argument("--max-tokens", type=int, default=100)
+    parser.add_argument("--temperatures", default="0,0.8", help="one run for each, comma-separated")
     args = parser.parse_args(argv)
-    return save("migration", run(args.seconds, args.clients, args.workers, args.kill_every, args.tokens_per_second,
-                                 args.max_tokens), plot, table)
+    runs = [run(args.seconds, args.clients, args.workers, args.kill_every, args.tokens_per_second, args.max_tokens,
+                float(temperature)) for temperature in args.temperatures.split(",")]
+    return save("migration", {"runs": runs}, plot, table)
 
 
 if __name__ == "__main__":

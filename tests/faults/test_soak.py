@@ -1,10 +1,12 @@
 """Soak: minutes of mixed load while workers are killed and restarted and Redis restarts once.
 
 Every request must end, in a response or a clear error, within its client timeout: a request
-that hits the timeout is a hang, and there must be none. Errors are allowed only of the kinds
-the faults explain (503 while Redis is away, 502 when a worker dies mid-stream). The duration is
-LLMFLEET_SOAK_SECONDS: 30 in `make test` (two kills and a Redis restart: a fault every 10 s),
-300 in `make soak`.
+that hits the timeout is a hang, and there must be none. Errors are allowed only of the kind the
+faults explain: a 503 while Redis is away. A worker's death costs no client its answer: its
+queued and non-streaming requests run elsewhere, and its streams (sampled, as most are) are
+continued by another worker from where they stood (docs/reliability.md), so a 502 is a failure.
+The duration is LLMFLEET_SOAK_SECONDS: 30 in `make test` (a kill every 10 s, and a Redis restart
+between two kills), 300 in `make soak`.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
-from tests.procs import LOG_DIR, start_gateway, start_redis, start_worker, wait_until_served
+from tests.procs import LOG_DIR, metric_value, start_gateway, start_redis, start_worker, wait_until_served
 
 pytestmark = pytest.mark.integration
 
@@ -29,7 +31,7 @@ SOAK_SECONDS = float(os.environ.get("LLMFLEET_SOAK_SECONDS", "30"))
 KILL_EVERY_S = 10.0
 CLIENTS = 16
 CLIENT_TIMEOUT_S = 30.0
-EXPECTED_ERRORS = {"http 503", "http 502", "stream 503", "stream 502"}
+EXPECTED_ERRORS = {"http 503", "stream 503"}
 
 
 async def _one_request(client: httpx.AsyncClient, url: str, model: str, rng: random.Random) -> str:
@@ -81,16 +83,17 @@ async def _chaos(redis_url: str, model: str, workers: list, until: float, events
     redis_restarted = False
     loop = asyncio.get_running_loop()
     while time.monotonic() + KILL_EVERY_S < until:
-        await asyncio.sleep(KILL_EVERY_S)
+        await asyncio.sleep(KILL_EVERY_S / 2)
+        if not redis_restarted and time.monotonic() - started >= SOAK_SECONDS / 2:  # halfway between two kills
+            redis_restarted = True
+            events.append(f"{time.monotonic() - started:5.1f}s Redis restart")
+            await loop.run_in_executor(None, _restart_redis, redis_url)
+        await asyncio.sleep(KILL_EVERY_S / 2)
         victim = workers.pop(rng.randrange(len(workers)))
         victim.kill()
         workers.append(await loop.run_in_executor(None, lambda: start_worker(
             redis_url, model, "--scripted-tokens-per-second", "200", "--claim-idle", "1")))
         events.append(f"{time.monotonic() - started:5.1f}s killed worker {victim.pid}, started {workers[-1].pid}")
-        if not redis_restarted and time.monotonic() - started > SOAK_SECONDS / 2:
-            redis_restarted = True
-            events.append(f"{time.monotonic() - started:5.1f}s Redis restart")
-            await loop.run_in_executor(None, _restart_redis, redis_url)
 
 
 _REDIS = {}
@@ -124,6 +127,8 @@ def test_soak():
                   for i in range(CLIENTS)))
 
         asyncio.run(main())
+        moved = sum(metric_value(g.url, "llmfleet_gateway_migrations_total", model=model) for g in gateways)
+        events.append(f"streams that went on on another worker: {moved:.0f}")
     finally:
         for proc in gateways + workers:
             proc.kill()
