@@ -280,11 +280,15 @@ class GenerationChunk(Envelope):
     # Terminal only, of an encoder's answer (embed, score, rerank, classify, pooling): one pooled
     # output per input, or per pair scored, in the request's order; `usage` counts the inputs' tokens.
     pooled: list[Pooled] | None = None
+    # A draining worker's last chunk of a stream it hands over (no output of its own): it sends
+    # nothing more for the request, and another worker continues it from what its client was sent.
+    handed_over: bool = False
 
     @property
     def is_delta_only(self) -> bool:
         """True when the chunk is plain text/logprobs that may merge with its neighbour."""
-        return not (self.tool_calls or self.finish_reason or self.done or self.error or self.candidates)
+        return not (self.tool_calls or self.finish_reason or self.done or self.error or self.candidates
+                    or self.handed_over)
 
     def can_absorb(self, other: GenerationChunk) -> bool:
         """True when `other`, the next delta of the same choice, reads as part of this one."""

@@ -157,6 +157,14 @@ class ReplyPublisher:
         outbox.flushed = asyncio.get_running_loop().create_future()
         return outbox.flushed
 
+    def last(self, request: RequestEnvelope, chunk: GenerationChunk) -> asyncio.Future:
+        """Queue `chunk` after what is queued for the request, and nothing after it (a draining
+        worker's hand-over notice): later chunks and the ending are ignored. The future resolves
+        once it is in Redis; `drop` the request then."""
+        flushed = self.finish(request, chunk, None)
+        self._dropped.add(request.request_id)
+        return flushed
+
     def stop(self) -> None:
         """End `run` once what is queued is written (or dropped: see `_execute`)."""
         self._stopping.set()

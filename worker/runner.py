@@ -62,6 +62,7 @@ MAX_ANSWER_BYTES = MAX_ENVELOPE_BYTES - 64 * 1024  # an encoder's vectors, with 
 # sent (the gateway sees the worker dead about when its lease lapses: keys.HEARTBEAT_TTL_S).
 CONTINUATION_WAIT_S = 10.0
 CONTINUATION_POLL_S = 0.1
+HAND_OVER_NOTICE_S = 2.0  # a draining worker's wait for its hand-over notices to reach Redis
 
 
 class Runner:
@@ -380,14 +381,22 @@ class Runner:
     async def hand_over(self) -> None:
         """At a draining worker's deadline: give up the running requests another worker can take
         over without a client noticing (greedy or seeded streams, which it replays for their
-        gateway to join, and non-streaming requests, which sent nothing), and stop them here. Their
-        entries stay pending: the others reclaim them (`reclaim_requests`), as a dead worker's."""
-        handed = [rid for rid, request in self._requests.items()
-                  if isinstance(self.adapter, GenerationAdapter) and (request.replays_exactly or not request.stream)]
+        gateway to join; sampled plain-text streams, which it continues from what their gateway
+        relayed, told so by a last `handed_over` chunk; non-streaming requests, which sent
+        nothing), and stop them here. Their entries stay pending: the others reclaim them
+        (`reclaim_requests`), as a dead worker's."""
+        handed = [rid for rid, request in self._requests.items() if isinstance(self.adapter, GenerationAdapter)
+                  and (request.replays_exactly or request.continues or not request.stream)]
         if not handed:
             return
-        for request_id in handed:  # nothing more from here, before another worker can take the lease
+        notices = [self.publisher.last(request, GenerationChunk(text=None, handed_over=True))
+                   for rid in handed if (request := self._requests[rid]).continues]
+        for request_id in handed:
             self.leases.give_up(request_id)
+        if notices:  # on the wire before the lease goes: its gateway saves what to continue from
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*notices), HAND_OVER_NOTICE_S)
+        for request_id in handed:  # nothing more from here, before another worker can take the lease
             self.publisher.drop(request_id)
         pipe = self.batched.pipeline(transaction=False)
         for request_id in handed:

@@ -39,9 +39,10 @@ class WorkerSettings:
                                    "where its client stood, a sampled one continued from the text its client was "
                                    "sent. Past it, or 0, such a stream ends with an error.")
     drain_timeout_s: float = setting(30.0, "Seconds a stopping worker (SIGTERM) lets its runs finish; then it hands the "
-                                     "greedy or seeded streams and the non-streaming requests still running to the "
-                                     "model's other workers, if one takes work (a stream goes on, joined where its "
-                                     "client stood; a non-streaming request runs again), and finishes only the rest.")
+                                     "streams and the non-streaming requests still running to the model's other "
+                                     "workers, if one takes work (a stream goes on where its client stood; a "
+                                     "non-streaming request runs again), and finishes only the rest (streams with "
+                                     "n > 1, logprobs, tools or reasoning).")
     steal_after_ms: float = setting(10.0, "With a free slot, take the requests that have waited this many milliseconds "
                                     "in another (busy or stopped) worker's own queue.")
     express_slots: int = setting(0, "With every slot busy, start up to this many more requests, only of API keys that "

@@ -108,6 +108,7 @@ class Run:
         self._continued_from: Continuation | None = None  # what it saved for a takeover to continue from
         self._replay: Replay | None = None
         self._lost_at = 0.0  # when (monotonic) its streaming worker was seen dead; 0: it was not
+        self._worker_gone = False  # its worker said it handed the stream over (`GenerationChunk.handed_over`)
 
     async def chunks(self) -> AsyncIterator[GenerationChunk]:
         """Every chunk of the request, in order, ending with its terminal chunk.
@@ -133,6 +134,7 @@ class Run:
             previous, self.worker_id = self.worker_id, envelope.worker_id
             self._heard_at = time.monotonic()
             self._lost_at = 0.0
+            self._worker_gone = False
             if envelope.seq >= 0:  # -1: an ending the gateway made itself
                 if envelope.lease > self._lease or envelope.seq != self._next_seq:
                     if held is not None:  # what came before the break still reaches the client
@@ -146,6 +148,12 @@ class Run:
                                              "retry the request.")
                 self._next_seq += 1
             for chunk in envelope.chunks:
+                if chunk.handed_over:  # its draining worker gave it up: another continues it
+                    self._worker_gone = True
+                    if not self._awaiting_takeover():
+                        self.close(reason="worker_lost")
+                        raise WorkerLost("The worker generating this response stopped mid-stream; retry the request.")
+                    continue
                 if self._replay is not None and (chunk := self._joined(chunk)) is None:
                     continue
                 if self._sent is not None:
@@ -215,7 +223,7 @@ class Run:
         if time.time() >= deadline:
             self.close(reason="deadline")
             raise ServiceUnavailable("The request timed out before the model answered.", code="request_timeout")
-        if self.worker_id and not self._worker_alive():
+        if self.worker_id and (self._worker_gone or not self._worker_alive()):
             if self._sent is not None and self._awaiting_takeover():
                 return
             self.close(reason="worker_lost")

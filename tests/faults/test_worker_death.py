@@ -248,18 +248,21 @@ def test_a_sampled_stream_is_continued_on_another_worker_when_its_worker_dies(re
         wait_for(lambda: not leftover_keys(redis_client), 10, "the request's keys to be settled")
 
 
-def test_a_stopping_worker_hands_its_long_runs_over_at_its_drain_deadline(redis_url, redis_client, gateway):
-    """SIGTERM to a worker running a greedy stream and a non-streaming request, each 10 s long,
-    with --drain-timeout 1: at its deadline it hands both to the other worker and exits, instead of
-    holding the stop for 10 s. The stream goes on, joined where it stood; the other request is
-    answered whole."""
+@pytest.mark.parametrize("temperature", [0, 0.8])
+def test_a_stopping_worker_hands_its_long_runs_over_at_its_drain_deadline(redis_url, redis_client, gateway,
+                                                                         temperature):
+    """SIGTERM to a worker running a stream and a non-streaming request, each 10 s long, with
+    --drain-timeout 1: at its deadline it hands both to the other worker and exits, instead of
+    holding the stop for 10 s. The stream goes on: a greedy one joined where it stood, a sampled
+    one continued from there (its worker's last chunk tells its gateway to save what was sent);
+    the other request is answered whole."""
     model = f"draining-{uuid.uuid4().hex[:6]}"
     stopping = start_worker(redis_url, model, "--scripted-tokens-per-second", "20", "--drain-timeout", "1")
     rescuer = None
     try:
         wait_until_served(gateway, model)
         whole = _post_in_background(f"{gateway.url}/v1/chat/completions", _body(model, False, 200))
-        body = {**_body(model, True, 200), "temperature": 0}
+        body = {**_body(model, True, 200), "temperature": temperature}
         with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", json=body, timeout=60) as response:
             lines = response.iter_lines()
             seen = [next(lines) for _ in range(6)]
@@ -285,14 +288,16 @@ def test_a_stopping_worker_hands_its_long_runs_over_at_its_drain_deadline(redis_
         stopping.kill()
 
 
-def test_an_anthropic_stream_goes_on_as_one_message_when_its_worker_dies(redis_url, gateway):
-    """The join is below the APIs: a greedy Anthropic Messages stream whose worker is SIGKILLed
-    mid-stream is one message, its text whole, with no error event."""
+@pytest.mark.parametrize("temperature", [0, 0.8])
+def test_an_anthropic_stream_goes_on_as_one_message_when_its_worker_dies(redis_url, gateway, temperature):
+    """The join and the continuation are below the APIs: an Anthropic Messages stream, greedy or
+    sampled, whose worker is SIGKILLed mid-stream is one message, its text whole, with no error
+    event."""
     body = {"max_tokens": 60, "messages": [{"role": "user", "content": "tick tock"}]}
     headers = {"x-api-key": "sk-any", "anthropic-version": "2023-06-01"}
     # 16 lines: message_start, the block's start, some deltas.
-    with _a_greedy_stream_whose_worker_dies(redis_url, gateway, "/v1/messages", body, 16,
-                                            headers=headers) as (_model, _rescuer, lines):
+    with _a_greedy_stream_whose_worker_dies(redis_url, gateway, "/v1/messages", body, 16, headers=headers,
+                                            temperature=temperature) as (_model, _rescuer, lines):
         events = _events(lines)
     kinds = [e["type"] for e in events]
     assert "error" not in kinds and kinds.count("message_start") == 1 and kinds[-1] == "message_stop", kinds
@@ -321,12 +326,14 @@ def test_a_stopping_worker_with_no_other_worker_finishes_its_runs(redis_url, gat
         alone.kill()
 
 
-def test_a_responses_stream_goes_on_as_one_response_when_its_worker_dies(redis_url, gateway):
-    """The same below the Responses API: a greedy Responses stream whose worker is SIGKILLed
-    mid-stream is one response, its text whole, with no error event."""
+@pytest.mark.parametrize("temperature", [0, 0.8])
+def test_a_responses_stream_goes_on_as_one_response_when_its_worker_dies(redis_url, gateway, temperature):
+    """The same below the Responses API: a Responses stream, greedy or sampled, whose worker is
+    SIGKILLed mid-stream is one response, its text whole, with no error event."""
     body = {"input": "tick tock", "max_output_tokens": 60}
     # 24 lines: the response's and the item's starts, some deltas.
-    with _a_greedy_stream_whose_worker_dies(redis_url, gateway, "/v1/responses", body, 24) as (_m, _r, lines):
+    with _a_greedy_stream_whose_worker_dies(redis_url, gateway, "/v1/responses", body, 24,
+                                            temperature=temperature) as (_m, _r, lines):
         events = _events(lines)
     kinds = [e["type"] for e in events]
     assert "error" not in kinds and kinds.count("response.created") == 1, kinds
