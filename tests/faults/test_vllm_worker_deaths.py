@@ -3,7 +3,8 @@
 - A worker SIGKILLed mid-generation: its non-streaming request is rerun by another vLLM worker of
   the model with the same answer, its greedy stream goes on, joined where it stood
   (gateway/fleet/replay.py): the text, finish reason and usage of the uninterrupted answer, and
-  its sampled stream is continued from where it stood, to its full length, counted once.
+  its sampled streams (chat and completion) are continued from where they stood, to their full
+  length, counted once.
 - A worker whose engine core dies under a running request: the request fails, the worker exits
   non-zero and leaves the registry.
 
@@ -33,6 +34,7 @@ from worker.consumer import CLAIM_BLOCK_MS
 pytestmark = pytest.mark.vllm
 
 MESSAGES = [{"role": "user", "content": "Write about lighthouses."}]
+PROMPT = "Lighthouses stand on the rocks"
 
 
 def _children(pid: int) -> list[tuple[int, str]]:
@@ -77,25 +79,30 @@ def test_vllm_worker_killed_mid_generation(vllm_stack, mortal_worker, mortal_spa
             except httpx.HTTPError as exc:
                 result["response"] = exc
 
-        def sampled_stream() -> None:  # continued by the rescuer after the death
-            body = {"messages": MESSAGES, "max_tokens": 1500, "temperature": 1.0, "ignore_eos": True,
-                    "model": MORTAL_MODEL, "stream": True, "stream_options": {"include_usage": True}}
+        def sampled_stream(path: str, body: dict) -> None:  # continued by the rescuer after the death
+            body = {**body, "max_tokens": 1500, "temperature": 1.0, "ignore_eos": True, "model": MORTAL_MODEL,
+                    "stream": True, "stream_options": {"include_usage": True}}
             try:
-                with httpx.stream("POST", url, json=body, timeout=60) as response:
-                    result["sampled"] = [line for line in response.iter_lines() if line.startswith("data: {")]
+                with httpx.stream("POST", f"{vllm_stack.gateway.url}{path}", json=body, timeout=60) as response:
+                    result[path] = [json.loads(line[6:]) for line in response.iter_lines()
+                                    if line.startswith("data: {")]
             except httpx.HTTPError as exc:
-                result["sampled"] = exc
+                result[path] = exc
 
+        prompt_tokens = httpx.post(f"{vllm_stack.gateway.url}/v1/completions", timeout=60, json={
+            "model": vllm_stack.model, "prompt": PROMPT, "max_tokens": 1}).json()["usage"]["prompt_tokens"]
         rerun = threading.Thread(target=whole_answer)
         rerun.start()
-        sampled = threading.Thread(target=sampled_stream)
-        sampled.start()
+        sampled = [threading.Thread(target=sampled_stream, args=("/v1/chat/completions", {"messages": MESSAGES})),
+                   threading.Thread(target=sampled_stream, args=("/v1/completions", {"prompt": PROMPT}))]
+        for thread in sampled:
+            thread.start()
         streamed = {**request, "model": MORTAL_MODEL, "stream": True, "stream_options": {"include_usage": True}}
         with httpx.stream("POST", url, json=streamed, timeout=60) as stream:
             lines = stream.iter_lines()
             data = [next(lines)]
-            wait_for(lambda: metric_value(doomed.url, "llmfleet_worker_in_flight") == 3, 20,
-                     "the doomed worker to run the three requests")
+            wait_for(lambda: metric_value(doomed.url, "llmfleet_worker_in_flight") == 4, 20,
+                     "the doomed worker to run the four requests")
             _kill_with_engine(doomed)
             killed_at = time.monotonic()
             os.kill(rescuer.pid, signal.SIGCONT)
@@ -120,15 +127,19 @@ def test_vllm_worker_killed_mid_generation(vllm_stack, mortal_worker, mortal_spa
             "finish_reason"]
         counts = ("prompt_tokens", "completion_tokens", "total_tokens")
         assert [chunks[-1]["usage"][k] for k in counts] == [whole["usage"][k] for k in counts]
-        # The sampled stream: continued, not repeated, to its full length; the prompt counted once.
-        sampled.join(60)
-        continued = [json.loads(line[6:]) for line in result["sampled"]]
-        assert not [c for c in continued if "error" in c], continued[-1]
-        assert [c["choices"][0]["finish_reason"] for c in continued if c["choices"]][-1] == "length"
-        assert (continued[-1]["usage"]["prompt_tokens"], continued[-1]["usage"]["completion_tokens"]) == (
-            whole["usage"]["prompt_tokens"], 1500)
-        assert metric_value(rescuer.url, "llmfleet_worker_reclaimed_total") == 3
-        assert metric_value(rescuer.url, "llmfleet_worker_migrations_total") == 2  # a replay and a continuation
+        # The sampled streams, chat and completion: continued, not repeated, to their full length;
+        # the prompt counted once.
+        for thread in sampled:
+            thread.join(60)
+        for path, prompt in (("/v1/chat/completions", whole["usage"]["prompt_tokens"]),
+                             ("/v1/completions", prompt_tokens)):
+            continued = result[path]
+            assert not [c for c in continued if "error" in c], (path, continued[-1])
+            assert [c["choices"][0]["finish_reason"] for c in continued if c["choices"]][-1] == "length", path
+            usage = continued[-1]["usage"]
+            assert (usage["prompt_tokens"], usage["completion_tokens"]) == (prompt, 1500), path
+        assert metric_value(rescuer.url, "llmfleet_worker_reclaimed_total") == 4
+        assert metric_value(rescuer.url, "llmfleet_worker_migrations_total") == 3  # a replay, two continuations
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(rescuer.pid, signal.SIGCONT)
