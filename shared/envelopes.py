@@ -98,6 +98,10 @@ class SamplingOptions(Envelope):
     include_stop_str_in_output: bool = False
 
 
+# Body fields whose state a continuation from the text alone cannot rebuild (`RequestEnvelope.continues`).
+_NOT_CONTINUED = ("tools", "structured_outputs", "logprobs", "top_logprobs", "prompt_logprobs", "echo")
+
+
 class RequestEnvelope(Envelope):
     """One request, as a worker receives it."""
 
@@ -150,8 +154,9 @@ class RequestEnvelope(Envelope):
         if not self.stream or self.replays_exactly or self.choice_count != 1 or self.params.logprobs is not None:
             return False
         body = self.body
-        if body.get("tools") or body.get("structured_outputs") or body.get("logprobs") or body.get("guided_json") \
-                or (body.get("response_format") or {}).get("type", "text") != "text":
+        structured = (body.get("response_format") or {}).get("type", "text") != "text"
+        if structured or any(body.get(name) for name in _NOT_CONTINUED) \
+                or any(value for name, value in body.items() if name.startswith("guided_")):
             return False
         if self.kind == "chat":
             return not body.get("continue_final_message")

@@ -99,7 +99,8 @@ def test_which_streams_a_takeover_continues(kind, body, continues):
 
 @pytest.mark.parametrize("body", [{"tools": [{"type": "function", "function": {"name": "f"}}]},
                                   {"response_format": {"type": "json_object"}}, {"structured_outputs": {"regex": "a"}},
-                                  {"continue_final_message": True}])
+                                  {"continue_final_message": True}, {"prompt_logprobs": 1}, {"echo": True},
+                                  {"guided_regex": "a+"}])
 def test_a_chat_stream_whose_state_is_more_than_its_text_is_not_continued(body):
     request = _stream()
     request.body.update(body)
