@@ -69,7 +69,6 @@ class Sent:
         choice.tokens += chunk.token_count
         choice.finished = choice.finished or chunk.finish_reason is not None
 
-
     def continuation(self) -> Continuation | None:
         """What a takeover continues from; None where the text alone does not hold the answer's state
         (reasoning or a tool call was sent, or the choice's end)."""

@@ -162,12 +162,12 @@ def _stream_chunks(body_text: str) -> list[dict]:
 
 
 @contextlib.contextmanager
-def _a_greedy_stream_whose_worker_dies(redis_url, gateway, path: str, body: dict, lines_before: int,
-                                       *rescuer_args: str, headers: dict | None = None, temperature: float = 0):
-    """POST a greedy stream of 60 tokens to `path` on a scripted worker (20 tokens/s), SIGKILL the
-    worker after `lines_before` lines and start another; yields (model, rescuer, every line of the
-    stream). `body` has no model: the model is new for each call. With a `temperature`, the stream
-    is a sampled one (the scripted engine's text is the same)."""
+def _a_stream_whose_worker_dies(redis_url, gateway, path: str, body: dict, lines_before: int,
+                                *rescuer_args: str, headers: dict | None = None, temperature: float = 0):
+    """POST a stream of 60 tokens to `path` on a scripted worker (20 tokens/s), SIGKILL the worker
+    after `lines_before` lines and start another; yields (model, rescuer, every line of the
+    stream). `body` has no model: the model is new for each call. Greedy, or sampled with a
+    `temperature` (the scripted engine's text is the same)."""
     model = f"doomed-{uuid.uuid4().hex[:6]}"
     doomed = start_worker(redis_url, model, "--scripted-tokens-per-second", "20")
     rescuer = None
@@ -191,51 +191,25 @@ def _events(lines: list[str]) -> list[dict]:
     return [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
 
 
-@pytest.mark.parametrize("migration_limit", [3, 0])
-def test_a_greedy_stream_goes_on_on_another_worker_when_its_worker_dies(redis_url, redis_client, gateway,
-                                                                       migration_limit):
-    """SIGKILL of the worker streaming a greedy request: the worker that takes it over runs it again,
-    and the gateway joins that replay where the client's stream stood (gateway/fleet/replay.py): one
-    stream, no error, no text repeated or missing, usage counted once. With --migration-limit 0 the
-    stream ends with the error it had before."""
+@pytest.mark.parametrize(("temperature", "migration_limit"), [(0, 3), (0, 0), (0.8, 3), (0.8, 0)])
+def test_a_stream_goes_on_on_another_worker_when_its_worker_dies(redis_url, redis_client, gateway, temperature,
+                                                                 migration_limit):
+    """SIGKILL of the worker streaming a request: the worker that takes it over runs a greedy one
+    again, and the gateway joins that replay where the client's stream stood; it continues a
+    sampled one from the text its gateway saved (the scripted engine goes on with its script after
+    that text): gateway/fleet/replay.py. Either way one stream, no error, no text repeated or
+    missing, usage counted once. With --migration-limit 0 the stream ends with the error it had
+    before."""
     body = {**_body("", True, 60), "stream_options": {"include_usage": True}}
     # 12 lines: the role chunk and some tokens, with their blank lines.
-    with _a_greedy_stream_whose_worker_dies(redis_url, gateway, "/v1/chat/completions", body, 12,
-                                            "--migration-limit", str(migration_limit)) as (model, rescuer, lines):
+    with _a_stream_whose_worker_dies(redis_url, gateway, "/v1/chat/completions", body, 12, "--migration-limit",
+                                     str(migration_limit), temperature=temperature) as (model, rescuer, lines):
         text = "\n".join(lines)
         chunks = _stream_chunks(text)
         if migration_limit == 0:
             error = chunks[-1]["error"]
             assert (error["code"], error["type"]) == (502, "BadGatewayError")
             assert metric_value(rescuer.url, "llmfleet_worker_migrations_total") == 0
-            return
-        assert not any("error" in c for c in chunks), text[-500:]
-        assert _stream_text(text) == " ".join(["tick", "tock"] * 30)
-        assert [c["choices"][0]["delta"].get("role") for c in chunks if c["choices"]].count("assistant") == 1
-        assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
-        usage = chunks[-1]["usage"]
-        assert (usage["prompt_tokens"], usage["completion_tokens"]) == (2, 60)
-        assert metric_value(rescuer.url, "llmfleet_worker_migrations_total") == 1
-        assert metric_value(gateway.url, "llmfleet_gateway_migrations_total", model=model) == 1
-        wait_for(lambda: not leftover_keys(redis_client), 10, "the request's keys to be settled")
-
-
-@pytest.mark.parametrize("migration_limit", [3, 0])
-def test_a_sampled_stream_is_continued_on_another_worker_when_its_worker_dies(redis_url, redis_client, gateway,
-                                                                             migration_limit):
-    """SIGKILL of the worker streaming a sampled request: its gateway saves what the client was sent,
-    and the worker that takes it over continues the answer from there (the scripted engine goes on
-    with its script after the text so far): one stream, no error, the usage of one answer. With
-    --migration-limit 0 the stream ends with the error it had before."""
-    body = {**_body("", True, 60), "stream_options": {"include_usage": True}}
-    with _a_greedy_stream_whose_worker_dies(redis_url, gateway, "/v1/chat/completions", body, 12,
-                                            "--migration-limit", str(migration_limit),
-                                            temperature=0.8) as (model, rescuer, lines):
-        text = "\n".join(lines)
-        chunks = _stream_chunks(text)
-        if migration_limit == 0:
-            error = chunks[-1]["error"]
-            assert (error["code"], error["type"]) == (502, "BadGatewayError")
             return
         assert not any("error" in c for c in chunks), text[-500:]
         assert _stream_text(text) == " ".join(["tick", "tock"] * 30)
@@ -296,8 +270,8 @@ def test_an_anthropic_stream_goes_on_as_one_message_when_its_worker_dies(redis_u
     body = {"max_tokens": 60, "messages": [{"role": "user", "content": "tick tock"}]}
     headers = {"x-api-key": "sk-any", "anthropic-version": "2023-06-01"}
     # 16 lines: message_start, the block's start, some deltas.
-    with _a_greedy_stream_whose_worker_dies(redis_url, gateway, "/v1/messages", body, 16, headers=headers,
-                                            temperature=temperature) as (_model, _rescuer, lines):
+    with _a_stream_whose_worker_dies(redis_url, gateway, "/v1/messages", body, 16, headers=headers,
+                                     temperature=temperature) as (_model, _rescuer, lines):
         events = _events(lines)
     kinds = [e["type"] for e in events]
     assert "error" not in kinds and kinds.count("message_start") == 1 and kinds[-1] == "message_stop", kinds
@@ -332,8 +306,8 @@ def test_a_responses_stream_goes_on_as_one_response_when_its_worker_dies(redis_u
     SIGKILLed mid-stream is one response, its text whole, with no error event."""
     body = {"input": "tick tock", "max_output_tokens": 60}
     # 24 lines: the response's and the item's starts, some deltas.
-    with _a_greedy_stream_whose_worker_dies(redis_url, gateway, "/v1/responses", body, 24,
-                                            temperature=temperature) as (_m, _r, lines):
+    with _a_stream_whose_worker_dies(redis_url, gateway, "/v1/responses", body, 24,
+                                     temperature=temperature) as (_m, _r, lines):
         events = _events(lines)
     kinds = [e["type"] for e in events]
     assert "error" not in kinds and kinds.count("response.created") == 1, kinds

@@ -1,11 +1,12 @@
 """A model-free adapter that generates deterministic text, for tests and gateway benchmarks.
 
 The script: the words of the prompt (the last user message for chat) repeated in order, one
-word per token, until `max_tokens` (16 when unset) or a stop string. A chat request that continues
-a final assistant message (`continue_final_message`) goes on with the script after its words. Prompt tokens are the
-words of every message. With n > 1 every choice gets the same words, prefixed by its number
-among its prompt's choices ("1:hello") when that is not 0, so choices are told apart. A
-completion with several prompts answers each, its n choices at indexes prompt * n + choice.
+word per token, until `max_tokens` (16 when unset) or a stop string. A chat request that
+continues a final assistant message (`continue_final_message`) goes on with the script after
+that message's words. Prompt tokens are the words of every message. With n > 1 every choice
+gets the same words, prefixed by its number among its prompt's choices ("1:hello") when that is
+not 0, so choices are told apart. A completion with several prompts answers each, its n choices
+at indexes prompt * n + choice.
 Media content parts (images, audio) are not read. Pacing options make a run slow
 to start or slow to stream, so tests can cancel or kill it at a chosen point. With a
 `stream_interval` of N, as vLLM's `--stream-interval`, a choice's first token is sent at once and
