@@ -24,8 +24,8 @@ AFFINITY = Counter("llmfleet_gateway_affinity_total", "Requests with an affinity
 SLOW_CLIENTS = Counter("llmfleet_gateway_slow_client_cancels_total",
                        "Requests cancelled because their client stopped reading")
 MIGRATIONS = Counter("llmfleet_gateway_migrations_total", "Streams whose worker stopped mid-stream that went on: "
-                     "a takeover's replay joined where the client stood (gateway/fleet/replay.py)",
-                     ["model", "cause"])
+                     "a takeover's replay joined where the client stood, or its continuation of what the client was "
+                     "sent (gateway/fleet/replay.py)", ["model", "cause"])
 STALE_REPLIES = Counter("llmfleet_gateway_stale_replies_total", "Reply envelopes dropped because they came from a "
                         "worker that had lost the request's lease (another worker had taken it over)")
 # Fleet-wide figures read from Redis with each registry refresh (every half second): every gateway

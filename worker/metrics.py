@@ -28,9 +28,10 @@ CLAIMS = Counter("llmfleet_worker_claims_total", "Requests claimed, by where fro
                  "(affinity), the model's, another worker's own after a wait (stolen), a dead worker's (reclaimed), or "
                  "past the slots for a tenant with nothing else queued (express)",
                  ["model", "source"])
-MIGRATIONS = Counter("llmfleet_worker_migrations_total", "Greedy or seeded streams another worker had begun (it died, "
-                     "or handed them over at its drain deadline), run again here from their start for their gateway to "
-                     "join (--migration-limit); the gateway's counter says why", ["model"])
+MIGRATIONS = Counter("llmfleet_worker_migrations_total", "Streams another worker had begun (it died, or handed them "
+                     "over at its drain deadline) taken over here: greedy or seeded ones run again from their start for "
+                     "their gateway to join, sampled ones continued from what their client was sent "
+                     "(--migration-limit); the gateway's counter says why", ["model"])
 HANDED_OVER = Counter("llmfleet_worker_handed_over_total", "Requests a draining worker handed to other workers at its "
                       "--drain-timeout instead of finishing them", ["model"])
 RECLAIMED = Counter("llmfleet_worker_reclaimed_total", "Requests taken over from a worker that died", ["model"])

@@ -151,8 +151,7 @@ class Run:
                 if chunk.handed_over:  # its draining worker gave it up: another continues it
                     self._worker_gone = True
                     if not self._awaiting_takeover():
-                        self.close(reason="worker_lost")
-                        raise WorkerLost("The worker generating this response stopped mid-stream; retry the request.")
+                        self._lost()
                     continue
                 if self._replay is not None and (chunk := self._joined(chunk)) is None:
                     continue
@@ -189,20 +188,23 @@ class Run:
         (gateway/fleet/replay.py)."""
         if self._next_seq > 0:
             if self._sent is None:
-                self.close(reason="worker_lost")
-                raise WorkerLost("The worker generating this response stopped mid-stream; retry the request.")
+                self._lost()
             if self.envelope.replays_exactly:
                 self._replay = Replay(self._sent)
             elif self._continued_from is None or self._continued_from != self._sent.continuation():
                 # Not a continuation of what the client has: nothing was saved for it, or more was
                 # relayed since (from the earlier worker, before it learned of its lost lease).
-                self.close(reason="worker_lost")
-                raise WorkerLost("The worker generating this response stopped mid-stream; retry the request.")
+                self._lost()
             self._continued_from = None
             self._next_seq = 0
             cause = "drain" if self._registry.was_draining(previous_worker) else "worker_lost"
             metrics.MIGRATIONS.labels(self.envelope.model, cause).inc()
         self._lease = lease
+
+    def _lost(self) -> NoReturn:
+        """End the response: its worker stopped mid-stream, and no takeover can go on from there."""
+        self.close(reason="worker_lost")
+        raise WorkerLost("The worker generating this response stopped mid-stream; retry the request.")
 
     def _joined(self, chunk: GenerationChunk) -> GenerationChunk | None:
         """A takeover's chunk, less what the client already has (None: all of it)."""
