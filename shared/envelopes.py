@@ -99,7 +99,7 @@ class SamplingOptions(Envelope):
 
 
 # Body fields whose state a continuation from the text alone cannot rebuild (`RequestEnvelope.continues`).
-_NOT_CONTINUED = ("tools", "structured_outputs", "logprobs", "top_logprobs", "prompt_logprobs", "echo")
+_NOT_CONTINUED = ("tools", "structured_outputs", "prompt_logprobs", "echo")
 
 
 class RequestEnvelope(Envelope):
@@ -148,10 +148,11 @@ class RequestEnvelope(Envelope):
     @property
     def continues(self) -> bool:
         """A sampled stream that a worker taking it over continues from the text its client was
-        sent (`continued`): one choice of plain text (a chat answer, or a completion of one string
-        prompt), without logprobs, tools or a structured output, whose state a continuation
-        cannot rebuild. Its continuation is a valid sample, not the same sample."""
-        if not self.stream or self.replays_exactly or self.choice_count != 1 or self.params.logprobs is not None:
+        sent (`continued`): plain text (a chat answer, or a completion of one string prompt), its n
+        choices each continued where it stood, its logprobs going on with the new tokens; not one
+        with tools or a structured output, whose state a continuation cannot rebuild. Its
+        continuation is a valid sample, not the same sample."""
+        if not self.stream or self.replays_exactly:
             return False
         body = self.body
         structured = (body.get("response_format") or {}).get("type", "text") != "text"
@@ -163,22 +164,24 @@ class RequestEnvelope(Envelope):
         return self.kind == "completion" and isinstance(body.get("prompt"), str) and not self.params.echo \
             and not body.get("suffix")
 
-    def continued(self, state: Continuation) -> RequestEnvelope:
-        """This request, to continue where its client's stream stood: the text sent so far as the
-        start of the answer (chat: a final assistant message the model continues; completion: the
-        prompt's end), with the tokens it had left."""
+    def continued(self, choice: ContinuedChoice) -> RequestEnvelope:
+        """This request, to continue one choice where its client's stream stood: the text sent so far
+        as the start of the answer (chat: a final assistant message the model continues; completion:
+        the prompt's end), with the tokens it had left, as a request of one choice."""
         body = dict(self.body)
         if self.kind == "chat":
-            body["messages"] = [*body.get("messages", ()), {"role": "assistant", "content": state.text}]
+            body["messages"] = [*body.get("messages", ()), {"role": "assistant", "content": choice.text}]
             body.update(continue_final_message=True, add_generation_prompt=False)
         else:
-            body["prompt"] = body["prompt"] + state.text
-        params = msgspec.structs.replace(self.params, min_tokens=max(0, self.params.min_tokens - state.tokens))
+            body["prompt"] = body["prompt"] + choice.text
+        params = msgspec.structs.replace(self.params, n=1, min_tokens=max(0, self.params.min_tokens - choice.tokens))
+        if "n" in body:
+            body["n"] = 1
         for name in ("max_tokens", "max_completion_tokens"):
             if isinstance(body.get(name), int):
-                body[name] = body[name] - state.tokens
+                body[name] = body[name] - choice.tokens
         if params.max_tokens is not None:
-            params.max_tokens = params.max_tokens - state.tokens
+            params.max_tokens = params.max_tokens - choice.tokens
         if body.get("min_tokens"):
             body["min_tokens"] = params.min_tokens
         return msgspec.structs.replace(self, body=body, params=params)
@@ -190,12 +193,20 @@ class RequestEnvelope(Envelope):
         return self.params.n * len(self.prompts)
 
 
+class ContinuedChoice(Envelope):
+    """One choice of a stream as its client was sent it, to be continued from there."""
+
+    index: NonNegative
+    text: str
+    tokens: NonNegative  # completion tokens sent
+
+
 class Continuation(Envelope):
     """What the client of a stream was sent when its worker was lost, for the worker taking it over
     to continue from (`RequestEnvelope.continued`): written by its gateway (keys.continuation_key)."""
 
-    text: str
-    tokens: NonNegative  # completion tokens sent
+    choices: list[ContinuedChoice]  # the choices not finished yet, each continued from its text
+    tokens: NonNegative  # completion tokens sent, of every choice (the finished ones too)
     prompt_tokens: NonNegative  # of the request as the client sent it (the usage it is answered with)
 
 

@@ -6,7 +6,15 @@ from __future__ import annotations
 import pytest
 
 from gateway.fleet.replay import Diverged, Replay, Sent
-from shared.envelopes import Continuation, GenerationChunk, RequestEnvelope, SamplingOptions, ToolCallDelta, Usage
+from shared.envelopes import (
+    Continuation,
+    ContinuedChoice,
+    GenerationChunk,
+    RequestEnvelope,
+    SamplingOptions,
+    ToolCallDelta,
+    Usage,
+)
 
 
 def _delta(text, tokens=1, index=0, **fields) -> GenerationChunk:
@@ -89,8 +97,9 @@ def _stream(kind="chat", **body) -> RequestEnvelope:
     ("completion", {"temperature": 0.8}, True),
     ("chat", {"temperature": 0}, False),  # replayed exactly instead
     ("chat", {"seed": 7}, False),
-    ("chat", {"n": 2}, False),
-    ("chat", {"logprobs": 2}, False),
+    ("chat", {"n": 2}, True),  # each choice continued where it stood
+    ("chat", {"logprobs": 2}, True),  # the new tokens' logprobs follow
+    ("completion", {"n": 3, "logprobs": 1}, True),
     ("completion", {"echo": True}, False),
 ])
 def test_which_streams_a_takeover_continues(kind, body, continues):
@@ -110,7 +119,7 @@ def test_a_chat_stream_whose_state_is_more_than_its_text_is_not_continued(body):
 def test_a_continued_chat_request_goes_on_from_the_text_sent():
     request = _stream(max_tokens=60, min_tokens=10)
     request.body.update(max_tokens=60, min_tokens=10)
-    continued = request.continued(Continuation(text="tick tock", tokens=12, prompt_tokens=2))
+    continued = request.continued(ContinuedChoice(index=0, text="tick tock", tokens=12))
     assert continued.body["messages"][-1] == {"role": "assistant", "content": "tick tock"}
     assert (continued.body["continue_final_message"], continued.body["add_generation_prompt"]) == (True, False)
     assert (continued.body["max_tokens"], continued.params.max_tokens) == (48, 48)
@@ -119,13 +128,35 @@ def test_a_continued_chat_request_goes_on_from_the_text_sent():
 
 
 def test_a_continued_completion_goes_on_from_the_text_sent():
-    continued = _stream("completion", max_tokens=16).continued(Continuation(text=" upon", tokens=1, prompt_tokens=1))
+    continued = _stream("completion", max_tokens=16).continued(ContinuedChoice(index=0, text=" upon", tokens=1))
     assert continued.body["prompt"] == "Once upon" and continued.params.max_tokens == 15
+
+
+def test_each_choice_is_continued_as_a_request_of_one_choice_with_the_tokens_it_has_left():
+    request = _stream(n=3, max_tokens=20)
+    request.body.update(n=3, max_tokens=20)
+    continued = request.continued(ContinuedChoice(index=2, text="2:tick", tokens=5))
+    assert (continued.body["n"], continued.params.n) == (1, 1)
+    assert (continued.body["max_tokens"], continued.params.max_tokens) == (15, 15)
+    assert continued.body["messages"][-1] == {"role": "assistant", "content": "2:tick"}
+    assert (request.body["n"], request.params.n) == (3, 3)
 
 
 def test_what_a_takeover_continues_from_is_the_text_sent_with_its_tokens():
     sent = _sent(_delta("Once", 1, first_token=True, usage=Usage(prompt_tokens=3)), _delta(" upon a", 2))
-    assert sent.continuation() == Continuation(text="Once upon a", tokens=3, prompt_tokens=3)
+    assert sent.continuation() == Continuation(choices=[ContinuedChoice(index=0, text="Once upon a", tokens=3)],
+                                               tokens=3, prompt_tokens=3)
     assert _sent(_delta("", reasoning="hmm"), _delta("Once")).continuation() is None
     assert _sent(_delta("Once", finish_reason="length")).continuation() is None
-    assert _sent(_delta("a"), _delta("b", index=1)).continuation() is None
+
+
+def test_a_takeover_continues_each_unfinished_choice_and_counts_every_token_sent():
+    sent = Sent(choice_count=3)
+    for chunk in (_delta("a", 1, index=0, usage=Usage(prompt_tokens=2)), _delta("b", 2, index=1),
+                  _delta("c", 1, index=0, finish_reason="stop")):
+        sent.add(chunk)
+    assert sent.continuation() == Continuation(
+        choices=[ContinuedChoice(index=1, text="b", tokens=2), ContinuedChoice(index=2, text="", tokens=0)],
+        tokens=4, prompt_tokens=2)
+    sent.add(_delta("", 0, index=1, tool_calls=[ToolCallDelta(index=0, name="f")]))
+    assert sent.continuation() is None  # a tool call's state is more than its text

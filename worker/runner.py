@@ -31,6 +31,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+import msgspec
 from redis.exceptions import RedisError
 
 from shared import keys, tracing
@@ -87,6 +88,7 @@ class Runner:
         self.completed = 0  # requests answered since the worker started
         self.on_finished: Callable[[], None] = lambda: None  # a slot is free: the consumer may claim
         self._progress: dict[str, _Progress] = {}
+        self._parts: dict[str, list[str]] = {}  # request id -> its engine requests, where it has several
         self._encoding: set[str] = set()  # requests in their encoder's hands (a cancel cancels their task)
         self._background: set[asyncio.Task] = set()
         metrics.start_series(model, kinds)
@@ -221,7 +223,8 @@ class Runner:
                     log.warning("request %s: its continuation is unreadable: %s", request.request_id, exc)
                     return None
                 max_tokens = request.params.max_tokens
-                return state if max_tokens is None or state.tokens < max_tokens else None
+                full = max_tokens is not None and any(choice.tokens >= max_tokens for choice in state.choices)
+                return None if full else state
             if time.monotonic() > waited_until:
                 return None
             await asyncio.sleep(CONTINUATION_POLL_S)
@@ -318,8 +321,15 @@ class Runner:
     async def _generate(self, adapter: GenerationAdapter, request: RequestEnvelope,
                         state: Continuation | None = None) -> GenerationChunk:
         """Run the generation, publishing deltas; return the terminal chunk (not yet published)."""
-        generation = adapter.generate(request) if state is None else _continuing(adapter.generate(
-            request.continued(state)), state)
+        if state is None:
+            generation = adapter.generate(request)
+        else:  # each choice an engine request of its own, named apart where there are several
+            parts = {choice.index: request.continued(choice) for choice in state.choices}
+            if len(parts) > 1:
+                parts = {index: msgspec.structs.replace(part, request_id=f"{request.request_id}/{index}")
+                         for index, part in parts.items()}
+                self._parts[request.request_id] = [part.request_id for part in parts.values()]
+            generation = _continuing({index: adapter.generate(part) for index, part in parts.items()}, state)
         chunks = self._observe(adapter, request, generation)
         deadline = self._deadline_alarm(request)
         try:
@@ -344,6 +354,11 @@ class Runner:
             if deadline is not None:
                 deadline.cancel()
             await chunks.aclose()
+            self._parts.pop(request.request_id, None)
+
+    async def _abort(self, adapter: GenerationAdapter, request_id: str) -> None:
+        for engine_request in self._parts.get(request_id, (request_id,)):
+            await adapter.abort(engine_request)
 
     async def _observe(self, adapter: GenerationAdapter, request: RequestEnvelope,
                        chunks: AsyncIterator[GenerationChunk]) -> AsyncIterator[GenerationChunk]:
@@ -361,7 +376,7 @@ class Runner:
                 if request_id in self.cancel_requested and not state.reaborted:
                     # The abort may have reached the adapter before the engine knew the request.
                     state.reaborted = True
-                    await adapter.abort(request_id)
+                    await self._abort(adapter, request_id)
                 if chunk.done and state.tokens_at_cancel is not None:
                     self._record_abort(request, state)
                 yield chunk
@@ -431,30 +446,65 @@ class Runner:
             task.cancel()
             return
         if isinstance(self.adapter, GenerationAdapter):
-            await self.adapter.abort(request_id)
+            await self._abort(self.adapter, request_id)
         done, _ = await asyncio.wait({task}, timeout=ABORT_GRACE_S)
         if not done:
             log.warning("request %s ignored its abort; cancelling its task", request_id)
             task.cancel()
 
 
-async def _continuing(chunks: AsyncIterator[GenerationChunk], state: Continuation) -> AsyncIterator[GenerationChunk]:
-    """A continuation's chunks as the rest of the stream its client was reading: no second first
-    token or prompt size, and the usage of the whole answer (the prompt as the client sent it, every
-    completion token once)."""
-    try:
-        async for chunk in chunks:
-            if not chunk.done:
-                chunk.first_token = False
-                chunk.usage = None
-                chunk.prompt_token_ids = None
-            elif chunk.usage is not None:
-                chunk.usage.prompt_tokens = state.prompt_tokens
-                chunk.usage.completion_tokens += state.tokens
-                chunk.usage.cached_tokens = None
+async def _continuing(parts: dict[int, AsyncIterator[GenerationChunk]],
+                      state: Continuation) -> AsyncIterator[GenerationChunk]:
+    """The continuations of a stream's choices (`parts`, by choice index) as the rest of the stream
+    its client was reading: each choice's deltas under its own index, with no second first token or
+    prompt size, a completion's logprob offsets counted from the start of its text; then one terminal
+    chunk with the usage of the whole answer (the prompt as the client sent it, every completion
+    token once)."""
+    offsets = {choice.index: len(choice.text) for choice in state.choices}
+    completion_tokens = state.tokens
+    terminals = []
+    async with contextlib.aclosing(_merged(parts)) as chunks:
+        async for index, chunk in chunks:
+            if chunk.done:
+                terminals.append(chunk)
+                completion_tokens += chunk.usage.completion_tokens if chunk.usage is not None else 0
+                continue
+            chunk.choice_index = index
+            chunk.first_token = False
+            chunk.usage = None
+            chunk.prompt_token_ids = None
+            if isinstance(chunk.logprobs, dict) and offsets[index]:
+                chunk.logprobs["text_offset"] = [at + offsets[index] for at in chunk.logprobs["text_offset"]]
             yield chunk
+    if not terminals:
+        return  # the runner fails it: no terminal chunk
+    terminal = next((t for t in terminals if t.error is not None), None) \
+        or next((t for t in terminals if t.finish_reason == "cancelled"), terminals[0])
+    if terminal.usage is not None:
+        terminal.usage = Usage(prompt_tokens=state.prompt_tokens, completion_tokens=completion_tokens)
+    yield terminal
+
+
+async def _merged(parts: dict[int, AsyncIterator[GenerationChunk]]) -> AsyncIterator[tuple[int, GenerationChunk]]:
+    """The chunks of several generations as they come, each with its key; all of them closed at the end."""
+    waiting = {asyncio.ensure_future(anext(chunks)): (index, chunks) for index, chunks in parts.items()}
+    try:
+        while waiting:
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                index, chunks = waiting.pop(future)
+                try:
+                    chunk = future.result()
+                except StopAsyncIteration:
+                    continue
+                waiting[asyncio.ensure_future(anext(chunks))] = index, chunks
+                yield index, chunk
     finally:
-        await chunks.aclose()
+        for future in waiting:
+            future.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+        for chunks in parts.values():
+            await chunks.aclose()
 
 
 @dataclass(slots=True)

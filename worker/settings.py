@@ -42,7 +42,7 @@ class WorkerSettings:
                                      "streams and the non-streaming requests still running to the model's other "
                                      "workers, if one takes work (a stream goes on where its client stood; a "
                                      "non-streaming request runs again), and finishes only the rest (streams with "
-                                     "n > 1, logprobs, tools or reasoning).")
+                                     "tools, a structured output or reasoning).")
     steal_after_ms: float = setting(10.0, "With a free slot, take the requests that have waited this many milliseconds "
                                     "in another (busy or stopped) worker's own queue.")
     express_slots: int = setting(0, "With every slot busy, start up to this many more requests, only of API keys that "

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.envelopes import Continuation, GenerationChunk, SamplingOptions
+from shared.envelopes import Continuation, ContinuedChoice, GenerationChunk, SamplingOptions
 
 
 def replayable(params: SamplingOptions) -> bool:
@@ -52,7 +52,8 @@ class _Choice:
 class Sent:
     """What a replayable stream has relayed so far, per choice."""
 
-    def __init__(self) -> None:
+    def __init__(self, choice_count: int = 1) -> None:
+        self.choice_count = choice_count
         self.choices: dict[int, _Choice] = {}
         self.prompt_tokens = 0  # the prompt's size, from the first delta's running usage
 
@@ -70,12 +71,18 @@ class Sent:
         choice.finished = choice.finished or chunk.finish_reason is not None
 
     def continuation(self) -> Continuation | None:
-        """What a takeover continues from; None where the text alone does not hold the answer's state
-        (reasoning or a tool call was sent, or the choice's end)."""
-        choice = self.choices.get(0, _Choice())
-        if len(self.choices) > 1 or choice.reasoning or choice.calls or choice.finished:
+        """What a takeover continues from: each unfinished choice's text and tokens; None where the
+        text alone does not hold the answer's state (reasoning or a tool call was sent), or where
+        every choice has ended."""
+        if any(choice.reasoning or choice.calls for choice in self.choices.values()):
             return None
-        return Continuation(text="".join(choice.text), tokens=choice.tokens, prompt_tokens=self.prompt_tokens)
+        sent = [(index, self.choices.get(index, _Choice())) for index in range(self.choice_count)]
+        going = [ContinuedChoice(index=index, text="".join(choice.text), tokens=choice.tokens)
+                 for index, choice in sent if not choice.finished]
+        if not going:
+            return None
+        return Continuation(choices=going, tokens=sum(choice.tokens for _index, choice in sent),
+                            prompt_tokens=self.prompt_tokens)
 
 
 class Diverged(Exception):

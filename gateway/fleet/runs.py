@@ -103,7 +103,7 @@ class Run:
         self._lease = 0  # the newest lease of the request heard from (`ChunkEnvelope.lease`)
         self._heard_at = 0.0  # when (monotonic) its worker last sent something
         # A stream a takeover replays or continues: what it sent, to join the replay to, or to continue from.
-        self._sent = Sent() if envelope.replays_exactly or envelope.continues else None
+        self._sent = Sent(envelope.choice_count) if envelope.replays_exactly or envelope.continues else None
         self._save_continuation = save_continuation
         self._continued_from: Continuation | None = None  # what it saved for a takeover to continue from
         self._replay: Replay | None = None

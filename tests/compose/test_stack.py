@@ -101,12 +101,14 @@ def test_the_openai_sdk_streams_through_nginx_to_both_models(stack):
 
 def test_a_killed_worker_fails_its_streams_fast_and_the_other_serves_the_queue(stack):
     """SIGKILL one scripted worker while both are full of streams that no other worker can go on
-    with (they ask for logprobs): its 8 streams end with an error within 5 s, the other's 8
-    finish, and the 4 requests waiting in the queue are served by the survivor."""
+    with (they ask for a JSON object: a structured output's state is more than its text): its 8
+    streams end with an error within 5 s, the other's 8 finish, and the 4 requests waiting in the
+    queue are served by the survivor."""
     api = client(stack)
     victim, survivor = stack.running("scripted")
     served_before = metric_sum(survivor, 8001, "llmfleet_worker_requests_total", finish_reason="length")
-    running = [stream(api, max_tokens=200, logprobs=True) for _ in range(2 * SLOTS_PER_WORKER)]  # 10 s each
+    running = [stream(api, max_tokens=200, response_format={"type": "json_object"})  # 10 s each
+               for _ in range(2 * SLOTS_PER_WORKER)]
     for run_ in running:
         assert run_.first_token.wait(30) and run_.error is None, run_.error
     queued = [stream(api, max_tokens=10) for _ in range(4)]

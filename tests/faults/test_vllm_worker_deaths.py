@@ -3,8 +3,8 @@
 - A worker SIGKILLed mid-generation: its non-streaming request is rerun by another vLLM worker of
   the model with the same answer, its greedy stream goes on, joined where it stood
   (gateway/fleet/replay.py): the text, finish reason and usage of the uninterrupted answer, and
-  its sampled streams (chat and completion) are continued from where they stood, to their full
-  length, counted once.
+  its sampled streams (a chat of two choices and a completion, with logprobs) are continued
+  from where each choice stood, to their full length, counted once, a logprob for every token.
 - A worker whose engine core dies under a running request: the request fails, the worker exits
   non-zero and leaves the registry.
 
@@ -93,8 +93,9 @@ def test_vllm_worker_killed_mid_generation(vllm_stack, mortal_worker, mortal_spa
             "model": vllm_stack.model, "prompt": PROMPT, "max_tokens": 1}).json()["usage"]["prompt_tokens"]
         rerun = threading.Thread(target=whole_answer)
         rerun.start()
-        sampled = [threading.Thread(target=sampled_stream, args=("/v1/chat/completions", {"messages": MESSAGES})),
-                   threading.Thread(target=sampled_stream, args=("/v1/completions", {"prompt": PROMPT}))]
+        sampled = [threading.Thread(target=sampled_stream, args=("/v1/chat/completions", {
+                       "messages": MESSAGES, "n": 2, "logprobs": True, "top_logprobs": 2})),
+                   threading.Thread(target=sampled_stream, args=("/v1/completions", {"prompt": PROMPT, "logprobs": 2}))]
         for thread in sampled:
             thread.start()
         streamed = {**request, "model": MORTAL_MODEL, "stream": True, "stream_options": {"include_usage": True}}
@@ -127,17 +128,29 @@ def test_vllm_worker_killed_mid_generation(vllm_stack, mortal_worker, mortal_spa
             "finish_reason"]
         counts = ("prompt_tokens", "completion_tokens", "total_tokens")
         assert [chunks[-1]["usage"][k] for k in counts] == [whole["usage"][k] for k in counts]
-        # The sampled streams, chat and completion: continued, not repeated, to their full length;
-        # the prompt counted once.
+        # The sampled streams, chat (two choices) and completion: each choice continued, not repeated,
+        # to its full length, with a logprob for every token; the prompt counted once.
         for thread in sampled:
             thread.join(60)
-        for path, prompt in (("/v1/chat/completions", whole["usage"]["prompt_tokens"]),
-                             ("/v1/completions", prompt_tokens)):
+        chat, completion = result["/v1/chat/completions"], result["/v1/completions"]
+        for path, prompt, choices in (("/v1/chat/completions", whole["usage"]["prompt_tokens"], 2),
+                                      ("/v1/completions", prompt_tokens, 1)):
             continued = result[path]
             assert not [c for c in continued if "error" in c], (path, continued[-1])
-            assert [c["choices"][0]["finish_reason"] for c in continued if c["choices"]][-1] == "length", path
+            finishes = [(choice["index"], choice["finish_reason"]) for c in continued for choice in c["choices"]
+                        if choice["finish_reason"]]
+            assert sorted(finishes) == [(index, "length") for index in range(choices)], path
             usage = continued[-1]["usage"]
-            assert (usage["prompt_tokens"], usage["completion_tokens"]) == (prompt, 1500), path
+            assert (usage["prompt_tokens"], usage["completion_tokens"]) == (prompt, 1500 * choices), path
+        for index in (0, 1):
+            logprobs = [entry for c in chat for choice in c["choices"] if choice["index"] == index
+                        for entry in (choice.get("logprobs") or {}).get("content") or ()]
+            assert len(logprobs) == 1500 and all(len(entry["top_logprobs"]) == 2 for entry in logprobs), index
+        # A completion's logprob offsets go on counting from the start of the text the client has.
+        text = "".join(c["choices"][0]["text"] for c in completion if c["choices"])
+        offsets = [at for c in completion if c["choices"] and c["choices"][0]["logprobs"]
+                   for at in c["choices"][0]["logprobs"]["text_offset"]]
+        assert len(offsets) == 1500 and offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] < len(text)
         assert metric_value(rescuer.url, "llmfleet_worker_reclaimed_total") == 4
         assert metric_value(rescuer.url, "llmfleet_worker_migrations_total") == 3  # a replay, two continuations
     finally:

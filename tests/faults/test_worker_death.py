@@ -222,6 +222,32 @@ def test_a_stream_goes_on_on_another_worker_when_its_worker_dies(redis_url, redi
         wait_for(lambda: not leftover_keys(redis_client), 10, "the request's keys to be settled")
 
 
+def test_each_choice_of_a_sampled_stream_goes_on_where_it_stood_with_its_logprobs(redis_url, redis_client, gateway):
+    """A sampled stream of two choices with logprobs, its worker SIGKILLed: the worker that takes it
+    over continues each choice from the text its client was sent, as a request of its own; every
+    token comes once with its logprobs, and the usage counts both choices' tokens once. (The
+    scripted engine writes a continued choice's words without its "1:" mark.)"""
+    body = {**_body("", True, 60), "n": 2, "logprobs": True, "top_logprobs": 1,
+            "stream_options": {"include_usage": True}}
+    with _a_stream_whose_worker_dies(redis_url, gateway, "/v1/chat/completions", body, 12,
+                                     temperature=0.8) as (model, rescuer, lines):
+        text = "\n".join(lines)
+        chunks = _stream_chunks(text)
+        assert not any("error" in c for c in chunks), text[-500:]
+        choices = [choice for c in chunks for choice in c["choices"]]
+        for index in (0, 1):
+            mine = [choice for choice in choices if choice["index"] == index]
+            words = "".join(choice["delta"].get("content") or "" for choice in mine).split()
+            assert [word.removeprefix("1:") for word in words] == ["tick", "tock"] * 30, index
+            logprobs = [entry for choice in mine for entry in (choice.get("logprobs") or {}).get("content") or ()]
+            assert len(logprobs) == 60, index
+            assert [choice["finish_reason"] for choice in mine if choice["finish_reason"]] == ["length"]
+        usage = chunks[-1]["usage"]
+        assert (usage["prompt_tokens"], usage["completion_tokens"]) == (2, 120)
+        assert metric_value(rescuer.url, "llmfleet_worker_migrations_total") == 1
+        wait_for(lambda: not leftover_keys(redis_client), 10, "the request's keys to be settled")
+
+
 @pytest.mark.parametrize("temperature", [0, 0.8])
 def test_a_stopping_worker_hands_its_long_runs_over_at_its_drain_deadline(redis_url, redis_client, gateway,
                                                                          temperature):
