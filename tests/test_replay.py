@@ -160,3 +160,41 @@ def test_a_takeover_continues_each_unfinished_choice_and_counts_every_token_sent
         tokens=4, prompt_tokens=2)
     sent.add(_delta("", 0, index=1, tool_calls=[ToolCallDelta(index=0, name="f")]))
     assert sent.continuation() is None  # a tool call's state is more than its text
+
+
+async def _continued(sent: str, chunks: list[GenerationChunk], **params) -> list[GenerationChunk]:
+    from worker.runner import _stopped_across_the_break
+
+    async def engine():
+        for chunk in chunks:
+            yield chunk
+
+    return [chunk async for chunk in _stopped_across_the_break(engine(), sent, SamplingOptions(**params))]
+
+
+def _ending(tokens: int) -> GenerationChunk:
+    return GenerationChunk(done=True, finish_reason="length", usage=Usage(completion_tokens=tokens))
+
+
+@pytest.mark.parametrize(("include", "text"), [(False, ""), (True, "ld")])
+async def test_a_stop_string_begun_before_the_break_ends_the_continued_choice(include, text):
+    """The engine sees the text sent before the break as prompt, so it cannot find a stop string
+    begun there: the continuation's first text is held until it can tell, and ends the choice."""
+    out = await _continued("Hello wor", [_delta("ld", 1, first_token=True), _delta(" and", 1), _delta(" more", 1),
+                                         _ending(3)], stop=["world", "xyz"], include_stop_str_in_output=include)
+    assert [(c.text, c.finish_reason, c.stop_reason, c.done) for c in out] == [
+        (text, "stop", "world", False), ("", "stop", None, True)]
+    assert (out[0].token_count, out[1].usage.completion_tokens) == (2, 2)
+
+
+async def test_a_continuation_without_a_stop_across_the_break_passes_as_it_came():
+    chunks = [_delta("ld", 1), _delta(" and", 1), _delta(" world", 1, finish_reason="stop"), _ending(3)]
+    out = await _continued("Hello wor", chunks, stop=["worlds"])
+    assert [(c.text, c.finish_reason) for c in out] == [("ld", None), (" and", None), (" world", "stop"),
+                                                        ("", "length")]
+    # a stop found whole in the text sent is not the continuation's (vLLM's min_tokens can let one through)
+    out = await _continued("a world b", [_delta(" c", 1), _ending(1)], stop=["world"])
+    assert [c.text for c in out] == [" c", ""]
+    # a short continuation that ends before the window is full is checked as it is
+    out = await _continued("Hello wor", [_delta("l", 1, finish_reason="length"), _ending(1)], stop=["world"])
+    assert [(c.text, c.finish_reason) for c in out] == [("l", "length"), ("", "length")]

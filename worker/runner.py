@@ -36,7 +36,7 @@ from redis.exceptions import RedisError
 
 from shared import keys, tracing
 from shared.codec import MAX_ENVELOPE_BYTES, decode
-from shared.envelopes import Candidate, Continuation, GenerationChunk, RequestEnvelope, Usage
+from shared.envelopes import Candidate, Continuation, GenerationChunk, RequestEnvelope, SamplingOptions, Usage
 from shared.errors import EngineError, EnvelopeError, FleetError, InvalidRequest, ServiceUnavailable, WorkerLost
 from shared.logs import REQUEST_ID
 from shared.redis_batch import BatchedRedis
@@ -329,7 +329,10 @@ class Runner:
                 parts = {index: msgspec.structs.replace(part, request_id=f"{request.request_id}/{index}")
                          for index, part in parts.items()}
                 self._parts[request.request_id] = [part.request_id for part in parts.values()]
-            generation = _continuing({index: adapter.generate(part) for index, part in parts.items()}, state)
+            sent = {choice.index: choice.text for choice in state.choices}
+            generation = _continuing({index: _stopped_across_the_break(adapter.generate(part), sent[index],
+                                                                       request.params)
+                                      for index, part in parts.items()}, state)
         chunks = self._observe(adapter, request, generation)
         deadline = self._deadline_alarm(request)
         try:
@@ -483,6 +486,46 @@ async def _continuing(parts: dict[int, AsyncIterator[GenerationChunk]],
     if terminal.usage is not None:
         terminal.usage = Usage(prompt_tokens=state.prompt_tokens, completion_tokens=completion_tokens)
     yield terminal
+
+
+async def _stopped_across_the_break(chunks: AsyncIterator[GenerationChunk], sent: str,
+                                    params: SamplingOptions) -> AsyncIterator[GenerationChunk]:
+    """A continued choice's chunks, ended at a stop string that straddles the break: begun in the
+    text its client was sent, which the engine sees as prompt, not as output it checks. Its first
+    text is held until it is as long as the longest stop string but one (vLLM holds that much back
+    too); a stop found across the break then ends the choice there (the stop string's part in
+    the text already sent cannot be taken back), and the engine request with it."""
+    window = max(map(len, params.stop or ()), default=1) - 1
+    tail = sent[-window:] if window > 0 else ""
+    held: list[GenerationChunk] = []
+    async with contextlib.aclosing(chunks):
+        async for chunk in chunks:
+            if not tail:
+                yield chunk
+                continue
+            if not chunk.done:
+                held.append(chunk)
+            if not (chunk.done or chunk.finish_reason or sum(len(c.text or "") for c in held) >= window):
+                continue
+            first = tail + "".join(c.text or "" for c in held)
+            hit = min(((at, stop) for stop in params.stop for at in range(max(0, len(tail) - len(stop) + 1), len(tail))
+                       if first.startswith(stop, at)), default=None)
+            if hit is not None:
+                at, stop = hit
+                cut = held[0]
+                for later in held[1:]:
+                    cut.absorb(later)
+                end = at + len(stop) if params.include_stop_str_in_output else at
+                cut.text = first[len(tail):max(end, len(tail))]
+                cut.finish_reason, cut.stop_reason = "stop", stop
+                yield cut
+                yield GenerationChunk(done=True, finish_reason="stop", usage=Usage(completion_tokens=cut.token_count))
+                return
+            for earlier in held:
+                yield earlier
+            if chunk.done:
+                yield chunk
+            tail, held = "", []
 
 
 async def _merged(parts: dict[int, AsyncIterator[GenerationChunk]]) -> AsyncIterator[tuple[int, GenerationChunk]]:

@@ -248,6 +248,23 @@ def test_each_choice_of_a_sampled_stream_goes_on_where_it_stood_with_its_logprob
         wait_for(lambda: not leftover_keys(redis_client), 10, "the request's keys to be settled")
 
 
+def test_a_stop_string_across_the_break_ends_a_continued_choice(redis_url, gateway):
+    """A stop string begun in the text a client was sent and ended by the continuation is found
+    (the engine sees that text as prompt). The scripted engine writes choice 1's words as "1:tick"
+    and a continued choice's without the mark, so "tick tock" and "tock tick", which end choice 0
+    at once, can occur in choice 1 only across the break: choice 1 ends there, with no unmarked word."""
+    body = {**_body("", True, 60), "n": 2, "stop": ["tick tock", "tock tick"]}
+    with _a_stream_whose_worker_dies(redis_url, gateway, "/v1/chat/completions", body, 12,
+                                     temperature=0.8) as (_model, _rescuer, lines):
+        text = "\n".join(lines)
+        chunks = _stream_chunks(text)
+        assert not any("error" in c for c in chunks), text[-500:]
+        second = [choice for c in chunks for choice in c["choices"] if choice["index"] == 1]
+        words = "".join(choice["delta"].get("content") or "" for choice in second).split()
+        assert len(words) >= 2 and all(word.startswith("1:") for word in words), words
+        assert [choice["finish_reason"] for choice in second if choice["finish_reason"]] == ["stop"]
+
+
 @pytest.mark.parametrize("temperature", [0, 0.8])
 def test_a_stopping_worker_hands_its_long_runs_over_at_its_drain_deadline(redis_url, redis_client, gateway,
                                                                          temperature):
