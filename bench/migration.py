@@ -7,7 +7,9 @@ processes with the product's defaults (`--claim-idle` 3 s, heartbeat and lease T
 place. A stream whose worker dies goes on on another worker (gateway/fleet/replay.py): a greedy
 one (`temperature: 0`) is run again and joined where it stood; a sampled one (`temperature: 0.8`)
 is continued from the text its client was sent. One run for each of `--temperatures` (default:
-both kinds), on fresh processes.
+both kinds), on fresh processes. With `--before REF`, each run is made twice, llmfleet as of git
+revision REF first (its gateway and workers from `git archive REF`), then this tree: the pause
+before and after a change, from one run of the bench.
 
 Reported, per run: streams, how many ended complete (the whole expected text, no error event), how
 many with an error; how many moved (the gateway's migrations counter); and for those, the pause
@@ -15,6 +17,7 @@ the client saw (the longest gap between two of its chunks; a stream that did not
 of one token), p50, p99 and max.
 
     python -m bench.migration [--seconds 60] [--clients 16] [--workers 3] [--kill-every 10] [--temperatures 0,0.8]
+                              [--before REF]
 
 Writes bench/results/migration.json and .png, prints a markdown table.
 """
@@ -22,6 +25,7 @@ Writes bench/results/migration.json and .png, prints a markdown table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import threading
@@ -29,7 +33,7 @@ import time
 
 import httpx
 
-from bench.common import RESULTS, Stack, percentile, progress, save
+from bench.common import RESULTS, Stack, percentile, progress, save, source_tree
 from tests.procs import metric_value, start_gateway, start_worker, wait_until_served
 
 MODEL = "migrating"
@@ -59,15 +63,16 @@ def _stream(url: str, max_tokens: int, temperature: float) -> dict:
 
 
 def run(seconds: float, clients: int, workers: int, kill_every: float, tokens_per_second: int,
-        max_tokens: int, temperature: float) -> dict:
+        max_tokens: int, temperature: float, source: str | None = None, revision: str = "this tree") -> dict:
     rng = random.Random(7)
     results: list[dict] = []
     lock = threading.Lock()
+    env = {"PYTHONSAFEPATH": "1", "PYTHONPATH": source} if source else None
     with Stack() as stack:
         pace = ("--scripted-tokens-per-second", str(tokens_per_second))
-        fleet = [start_worker(stack.redis.url, MODEL, *pace) for _ in range(workers)]
+        fleet = [start_worker(stack.redis.url, MODEL, *pace, env=env) for _ in range(workers)]
         stack.procs += fleet
-        gateway = start_gateway(stack.redis.url)
+        gateway = start_gateway(stack.redis.url, env=env)
         stack.procs.append(gateway)
         wait_until_served(gateway, MODEL)
         end = time.monotonic() + seconds
@@ -88,10 +93,10 @@ def run(seconds: float, clients: int, workers: int, kill_every: float, tokens_pe
             victim = fleet.pop(rng.randrange(len(fleet)))
             victim.kill()
             kills += 1
-            fresh = start_worker(stack.redis.url, MODEL, *pace)
+            fresh = start_worker(stack.redis.url, MODEL, *pace, env=env)
             fleet.append(fresh)
             stack.procs.append(fresh)
-            progress(f"workers killed (temperature {temperature})", kills, total_kills)
+            progress(f"workers killed ({revision}, temperature {temperature})", kills, total_kills)
         for thread in threads:
             thread.join(180)
         migrations = metric_value(gateway.url, "llmfleet_gateway_migrations_total", model=MODEL)
@@ -100,7 +105,7 @@ def run(seconds: float, clients: int, workers: int, kill_every: float, tokens_pe
     return {
         "config": {"seconds": seconds, "clients": clients, "workers": workers, "kill_every_s": kill_every,
                    "tokens_per_second": tokens_per_second, "max_tokens": max_tokens},
-        "temperature": temperature, "kills": kills, "streams": len(results),
+        "revision": revision, "temperature": temperature, "kills": kills, "streams": len(results),
         "complete": sum(r["complete"] for r in results),
         "errors": sum(r["error"] is not None for r in results), "moved": int(migrations),
         "pause_p50_s": percentile(moved, 50), "pause_p99_s": percentile(moved, 99),
@@ -111,7 +116,8 @@ def run(seconds: float, clients: int, workers: int, kill_every: float, tokens_pe
 
 
 def _kind(run_: dict) -> str:
-    return "greedy (replayed)" if run_["temperature"] == 0 else f"sampled, {run_['temperature']:g} (continued)"
+    kind = "greedy (replayed)" if run_["temperature"] == 0 else f"sampled, {run_['temperature']:g} (continued)"
+    return kind if run_.get("revision", "this tree") == "this tree" else f"{kind}, {run_['revision']}"
 
 
 def table(result: dict) -> str:
@@ -134,7 +140,7 @@ def plot(result: dict) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 3.4))
     top = max((max(r["moved_pauses_s"], default=0) for r in result["runs"]), default=0) or 1
-    for run_, color in zip(result["runs"], ("#3b7dd8", "#e07b39", "#5aa469"), strict=False):
+    for run_, color in zip(result["runs"], ("#3b7dd8", "#e07b39", "#5aa469", "#b05cc6"), strict=False):
         ax.hist(run_["moved_pauses_s"] or [0], bins=20, range=(0, top), alpha=0.7, color=color,
                 label=f"{_kind(run_)}: {run_['moved']} moved")
     ax.set_xlabel("pause a moved stream's client saw (s)")
@@ -156,9 +162,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tokens-per-second", type=int, default=50)
     parser.add_argument("--max-tokens", type=int, default=100)
     parser.add_argument("--temperatures", default="0,0.8", help="one run for each, comma-separated")
+    parser.add_argument("--before", help="also run llmfleet as of this git revision, before each run of this tree")
     args = parser.parse_args(argv)
-    runs = [run(args.seconds, args.clients, args.workers, args.kill_every, args.tokens_per_second, args.max_tokens,
-                float(temperature)) for temperature in args.temperatures.split(",")]
+    runs = []
+    with contextlib.ExitStack() as stack:
+        revisions = [(stack.enter_context(source_tree(args.before)), args.before)] if args.before else []
+        for temperature in args.temperatures.split(","):
+            for source, revision in [*revisions, (None, "this tree")]:
+                runs.append(run(args.seconds, args.clients, args.workers, args.kill_every, args.tokens_per_second,
+                                args.max_tokens, float(temperature), source, revision))
     return save("migration", {"runs": runs}, plot, table)
 
 

@@ -26,6 +26,9 @@ SLOW_CLIENTS = Counter("llmfleet_gateway_slow_client_cancels_total",
 MIGRATIONS = Counter("llmfleet_gateway_migrations_total", "Streams whose worker stopped mid-stream that went on: "
                      "a takeover's replay joined where the client stood, or its continuation of what the client was "
                      "sent (gateway/fleet/replay.py)", ["model", "cause"])
+WORKERS_FOUND_GONE = Counter("llmfleet_gateway_workers_found_gone_total", "Workers found dead by their lease "
+                             "connection's absence from Redis, before their leases lapsed (gateway/fleet/registry.py)",
+                             ["model"])
 STALE_REPLIES = Counter("llmfleet_gateway_stale_replies_total", "Reply envelopes dropped because they came from a "
                         "worker that had lost the request's lease (another worker had taken it over)")
 # Fleet-wide figures read from Redis with each registry refresh (every half second): every gateway

@@ -340,6 +340,10 @@ class ChunkEnvelope(Envelope):
     # worker that takes a request over holds a later lease with a larger token, so a gateway can
     # drop what the worker that lost the request still had on the wire.
     lease: NonNegative = 0
+    # Where the request's entry waits acknowledged, on a worker's first write for it (seq 0): the
+    # stream and entry id a takeover claims when its gateway sees the worker gone (keys.takeover_doorbell).
+    stream: str = ""
+    entry_id: str = ""
 
 
 class CancelNotice(Envelope):
@@ -367,3 +371,7 @@ class WorkerInfo(Envelope):
     # The request kinds this worker accepts. A heartbeat without the field is from a worker older
     # than it, which accepted every kind of its time: these.
     kinds: list[str] = msgspec.field(default_factory=lambda: ["chat", "completion", "tokenize", "detokenize"])
+    # The connection that renews its leases (worker/leases.py), as "<Redis run_id>:<client id>"; "":
+    # unknown (a cluster). While the worker's process lives so does that connection: a gateway that
+    # finds it gone from that server knows the worker died, without waiting for its leases to lapse.
+    presence: str = ""

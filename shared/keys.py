@@ -46,6 +46,13 @@ part of the name. `<...>` is a placeholder.
 |                                      |         | running the request                      |
 | llmfleet:streamed:{<request_id>}     | string  | TTL CANCEL_MEMORY_TTL_S; set with the    |
 |                                      |         | first published chunk                    |
+| llmfleet:continuation:{<request_id>} | string  | TTL CONTINUATION_TTL_S; what a stream's  |
+|                                      |         | client was sent, for its takeover        |
+| llmfleet:takeover:{<model>}:doorbell | list    | at most TAKEOVER_DOORBELL_MAX (LTRIM),   |
+|                                      |         | TTL TAKEOVER_DOORBELL_TTL_S: the entries |
+|                                      |         | of requests whose worker a gateway saw   |
+|                                      |         | gone; a worker with room pops (BLPOP)    |
+|                                      |         | and claims them                          |
 | llmfleet:cancel-id:{<group>}         | set     | TTL: the longest deadline of its runs;   |
 |                                      |         | the runs not finished, and a finished    |
 |                                      |         | mark. A group is a tenant's cancel_id or |
@@ -144,6 +151,8 @@ MODEL_MEMORY_TTL_S = 3600
 
 CANCEL_MEMORY_TTL_S = 600  # how long a cancel waits for its run to show up
 CONTINUATION_TTL_S = 60  # a continuation's state: long enough for a takeover to read it
+TAKEOVER_DOORBELL_TTL_S = 30  # a takeover not popped by then is left to the workers' reclaim sweeps
+TAKEOVER_DOORBELL_MAX = 10_000
 DEAD_LETTER_MAXLEN = 10_000
 DEAD_LETTER_KEEP_BYTES = 64 * 1024  # of a poison envelope, kept for inspection
 CANCEL_CHANNEL = f"{PREFIX}:cancel"
@@ -224,6 +233,14 @@ def cancelled_key(request_id: str) -> str:
     return f"{PREFIX}:cancelled:{_tag(request_id)}"
 
 
+# KEYS[1]: a request's lease; ARGV[1]: a worker id. Gives the lease up if that worker holds it (its
+# own at a drain's hand-over, or a gone worker's taken back by a gateway), never another's.
+RELEASE_LEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
 def lease_key(request_id: str) -> str:
     return f"{PREFIX}:lease:{_tag(request_id)}"
 
@@ -236,6 +253,12 @@ def continuation_key(request_id: str) -> str:
     """What a stream's client was sent when its worker was lost (`envelopes.Continuation`), for the
     worker that takes it over; written by its gateway, CONTINUATION_TTL_S."""
     return f"{PREFIX}:continuation:{_tag(request_id)}"
+
+
+def takeover_doorbell(model: str) -> str:
+    """The entries ("<stream> <entry id>") of requests whose worker a gateway saw gone, for a worker
+    of the model with room to claim at once, ahead of new work (worker/consumer.py)."""
+    return f"{PREFIX}:takeover:{_tag(model)}:doorbell"
 
 
 def cancel_group(tenant: str, *, cancel_id: str | None = None, session_id: str | None = None) -> str:

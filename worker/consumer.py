@@ -200,15 +200,22 @@ class RequestConsumer:
         return _entries(triples), oldest_ms / 1000 if oldest_ms >= 0 else None
 
     async def reclaim_requests(self) -> None:
-        """Take over requests whose worker died: pending entries idle past `claim_idle_s`, in the
-        model's stream and in the own streams of workers whose heartbeat expired (which are deleted
-        once empty; their waiting entries are taken by `steal_waiting`).
+        """Take over requests whose worker died: at once those a gateway names on the model's
+        takeover doorbell when it sees their worker gone (`_take_over_rung`), and every
+        `claim_idle_s / 2` pending entries idle past `claim_idle_s`, in the model's stream and in
+        the own streams of workers whose heartbeat expired (which are deleted once empty; their
+        waiting entries are taken by `steal_waiting`).
 
         Entries of live workers come back too (XAUTOCLAIM cannot tell), but their worker still
         holds the request's lease, so they are left alone.
         """
         idle_ms = int(self.claim_idle_s * 1000)
-        while not await pause(self.stopping, self.claim_idle_s / 2):
+        sweep_at = time.monotonic() + self.claim_idle_s / 2
+        while not self.stopping.is_set():
+            if (wait := sweep_at - time.monotonic()) > 0:
+                await self._take_over_rung(wait)
+                continue
+            sweep_at = time.monotonic() + self.claim_idle_s / 2
             now_ms = time.time() * 1000
             try:
                 dead = await self.redis.zrangebyscore(keys.affinity_streams(self.model), "-inf", now_ms,
@@ -230,6 +237,33 @@ class RequestConsumer:
                     log.warning("reclaiming requests failed: %s", exc)
                     continue
                 await self._start_entries([(stream, entry_id, fields) for entry_id, fields in entries], "reclaimed")
+
+    async def _take_over_rung(self, wait: float) -> None:
+        """Wait up to `wait` seconds for the takeover doorbell while a slot is free, and claim the
+        entries rung there (a gateway saw their worker gone and took the lease back): the request
+        goes on here within milliseconds, not at the next sweep."""
+        free = self.max_concurrency - self.in_flight
+        if free <= 0:
+            await pause(self.stopping, wait)
+            return
+        doorbell = keys.takeover_doorbell(self.model)
+        try:
+            rung = await self.redis.blpop([doorbell], timeout=wait)
+            if rung is None:
+                return
+            if self.stopping.is_set():  # a stopping worker takes nothing: the ring is another's
+                await self.redis.lpush(doorbell, rung[1])
+                return
+            named = [rung[1], *(await self.redis.lpop(doorbell, free - 1) or ())] if free > 1 else [rung[1]]
+            claimed = []
+            for stream, entry_id in (item.decode().split(" ", 1) for item in named):
+                entries = await self.redis.xclaim(stream, keys.WORKER_GROUP, self.worker_id, 0, [entry_id])
+                claimed += [(stream, claimed_id, fields) for claimed_id, fields in entries]
+        except (RedisError, ValueError) as exc:
+            log.warning("taking over rung requests failed: %s", exc)
+            await pause(self.stopping, wait)
+            return
+        await self._start_entries(claimed, "reclaimed")
 
     async def _start_entries(self, entries: list[tuple], source: str | None = None, limited: bool = False) -> None:
         """Start each claimed entry's request: the envelope it carries, or for a fair-share ticket

@@ -109,7 +109,7 @@ class Worker:
         return WorkerInfo(worker_id=self.worker_id, model=self.model, max_model_len=self.adapter.max_model_len,
                           capacity=self.max_concurrency, in_flight=self.in_flight, engine=self.adapter.engine_name,
                           started=self.started, draining=self.draining, completed=self.runner.completed,
-                          kinds=list(self.kinds))
+                          kinds=list(self.kinds), presence=self.leases.presence)
 
     async def run(self) -> None:
         """Serve until `stop()` (or cancelled); then stop claiming, finish what runs, stop the loops

@@ -93,6 +93,7 @@ class ReplyPublisher:
         self._outboxes: dict[str, _Outbox] = {}
         self._seq: dict[str, int] = {}
         self._leases: dict[str, int] = {}  # request id -> fencing token of this worker's lease on it
+        self._entries: dict[str, tuple[str, str]] = {}  # request id -> its entry (stream, id), told on seq 0
         self._dropped: set[str] = set()  # requests whose lease this worker lost
         # What the write under way sends (its entries, first outputs, acks), each time it retries.
         self._in_flight: tuple[list[_Entry], list[str], list[tuple[str, str, str]]] = ([], [], [])
@@ -109,9 +110,11 @@ class ReplyPublisher:
         return (self.give_up_after_s is not None and self._failing_since is not None
                 and time.monotonic() - self._failing_since >= self.give_up_after_s)
 
-    def hold(self, request_id: str, lease: int) -> None:
-        """Publish for `request_id` under this worker's lease on it (`ChunkEnvelope.lease`)."""
+    def hold(self, request_id: str, lease: int, entry: tuple[str, str] = ("", "")) -> None:
+        """Publish for `request_id` under this worker's lease on it (`ChunkEnvelope.lease`); its
+        first write says where its entry is pending (`ChunkEnvelope.stream`, `entry_id`)."""
         self._leases[request_id] = lease
+        self._entries[request_id] = entry
 
     def drop(self, request_id: str) -> None:
         """Publish nothing more for a request whose lease this worker lost (another worker may own
@@ -131,6 +134,7 @@ class ReplyPublisher:
     def release(self, request_id: str) -> None:
         """Forget a request that has ended on this worker."""
         self._leases.pop(request_id, None)
+        self._entries.pop(request_id, None)
         self._dropped.discard(request_id)
 
     def publish(self, request: RequestEnvelope, chunk: GenerationChunk) -> None:
@@ -189,8 +193,9 @@ class ReplyPublisher:
         first_outputs = []  # requests whose first output (not their ending) goes out now
         for outbox in outboxes:
             seq = self._seq.get(outbox.request_id, 0)
+            stream, entry_id = self._entries.get(outbox.request_id, ("", "")) if seq == 0 else ("", "")
             data = encode(ChunkEnvelope(outbox.request_id, seq, _coalesce(outbox.chunks), self.worker_id,
-                                        lease=outbox.lease))
+                                        lease=outbox.lease, stream=stream, entry_id=entry_id))
             entry = batches.get(outbox.reply_to) if outbox.batch else None
             if entry is None or entry.size + len(data) > BATCH_LIMIT_BYTES:
                 entry = _Entry(outbox.reply_to)

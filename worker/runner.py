@@ -77,6 +77,7 @@ class Runner:
         self.worker_id = worker_id
         self.kinds = kinds  # the kinds this worker answers (`--kinds`, or all its engine's)
         self.batched = batched
+        self._release_lease = batched.register_script(keys.RELEASE_LEASE)
         self.publisher = publisher
         self.leases = leases
         self.log_requests = log_requests  # one info line per request at its end (`--enable-log-requests`)
@@ -139,7 +140,7 @@ class Runner:
         if not lease:
             return  # its worker is alive and holds the lease (and owns any cancel that came meanwhile)
         self.leases.hold(request.request_id, asked)
-        self.publisher.hold(request.request_id, lease)
+        self.publisher.hold(request.request_id, lease, (stream, entry_id))
         if reclaimed:
             metrics.RECLAIMED.labels(self.model).inc()
         else:
@@ -416,11 +417,9 @@ class Runner:
                 await asyncio.wait_for(asyncio.gather(*notices), HAND_OVER_NOTICE_S)
         for request_id in handed:  # nothing more from here, before another worker can take the lease
             self.publisher.drop(request_id)
-        pipe = self.batched.pipeline(transaction=False)
-        for request_id in handed:
-            pipe.delete(keys.lease_key(request_id))
-        try:
-            await pipe.execute()
+        try:  # its own only: a gateway that saw the notice may have taken one back for another worker
+            await asyncio.gather(*(self._release_lease(keys=[keys.lease_key(request_id)], args=[self.worker_id])
+                                   for request_id in handed))
         except RedisError as exc:  # the leases lapse on their own (LEASE_TTL_S), unrenewed
             log.warning("releasing %d leases failed: %s", len(handed), exc)
         metrics.HANDED_OVER.labels(self.model).inc(len(handed))

@@ -134,9 +134,14 @@ class ReplyRouter:
         it checks its deadline and its worker: one timer for the process instead of a timeout
         armed and cancelled around every wait of every request."""
         while not await pause(self.stopping, interval):
-            for queue in self._routes.values():
-                if queue.empty():
-                    queue.put_nowait(SILENCE)
+            self.wake_silent()
+
+    def wake_silent(self) -> None:
+        """Wake each request with nothing waiting in its queue, to look around now (a worker was
+        found gone): a `SILENCE`."""
+        for queue in self._routes.values():
+            if queue.empty():
+                queue.put_nowait(SILENCE)
 
     async def keep_alive(self) -> None:
         """Refresh the reply stream's TTL while this gateway lives."""

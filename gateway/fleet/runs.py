@@ -63,6 +63,7 @@ QUEUE_ALARM_LAG_S = 0.005  # a timer may fire a little before its time: the queu
 # another worker to take it over: the lease lapses (LEASE_TTL_S), the entry has been claimed for a
 # worker's --claim-idle (3 s) and a reclaim turn comes (half that), then the takeover's first chunk.
 TAKEOVER_WAIT_S = 10.0
+SUSPECT_AFTER_S = 0.5  # a streaming worker silent this long is looked for in Redis's client list
 # A stop takes at most STOP_GRACE_S + 2 * STOP_CANCEL_S + REDIS_CLOSE_S, whatever Redis does.
 STOP_GRACE_S = 2.0  # the cancels and unregistering of the last runs may take this long
 STOP_CANCEL_S = 2.0  # then what still runs is cancelled, and left behind after this
@@ -83,7 +84,7 @@ class Run:
     owner does the rest when its `async with` ends, or earlier when asked (`Fleet.end`)."""
 
     def __init__(self, envelope: RequestEnvelope, replies: asyncio.Queue[ChunkEnvelope | None],
-                 registry: WorkerRegistry, save_continuation: Callable[[str, Continuation], object] | None = None):
+                 registry: WorkerRegistry, ready_takeover: Callable[[Run, Continuation | None], object] | None = None):
         self.envelope = envelope
         self.request_id = envelope.request_id
         self._replies = replies
@@ -104,7 +105,8 @@ class Run:
         self._heard_at = 0.0  # when (monotonic) its worker last sent something
         # A stream a takeover replays or continues: what it sent, to join the replay to, or to continue from.
         self._sent = Sent(envelope.choice_count) if envelope.replays_exactly or envelope.continues else None
-        self._save_continuation = save_continuation
+        self._ready_takeover = ready_takeover
+        self.entry: tuple[str, str] | None = None  # where its request's entry is pending (stream, id), once told
         self._continued_from: Continuation | None = None  # what it saved for a takeover to continue from
         self._replay: Replay | None = None
         self._lost_at = 0.0  # when (monotonic) its streaming worker was seen dead; 0: it was not
@@ -135,6 +137,8 @@ class Run:
             self._heard_at = time.monotonic()
             self._lost_at = 0.0
             self._worker_gone = False
+            if envelope.stream:  # a worker's first write for it: where its entry is pending
+                self.entry = envelope.stream, envelope.entry_id
             if envelope.seq >= 0:  # -1: an ending the gateway made itself
                 if envelope.lease > self._lease or envelope.seq != self._next_seq:
                     if held is not None:  # what came before the break still reaches the client
@@ -243,20 +247,28 @@ class Run:
         if not self._registry.takes_work(self.envelope.model):
             return False
         if not self._lost_at:
+            state = None
             if self.envelope.continues:
-                if (state := self._sent.continuation()) is None or self._save_continuation is None:
+                if (state := self._sent.continuation()) is None or self._ready_takeover is None:
                     return False
-                self._save_continuation(self.request_id, state)
                 self._continued_from = state
+            if self._ready_takeover is not None:
+                self._ready_takeover(self, state)
             self._lost_at = now
         return now - self._lost_at < TAKEOVER_WAIT_S
 
     def _worker_alive(self) -> bool:
         """Its worker's heartbeat is live, or the worker spoke within a heartbeat's TTL: a worker
         that is sending the request's chunks lives, even when its heartbeat key is missing for a
-        moment (lost with a Redis failover or restart, until its next beat writes it again)."""
-        return (self._registry.is_live(self.worker_id)
-                or time.monotonic() - self._heard_at < keys.HEARTBEAT_TTL_S)
+        moment (lost with a Redis failover or restart, until its next beat writes it again). A
+        worker silent for SUSPECT_AFTER_S is looked for in Redis's client list: one whose lease
+        connection is gone is dead, heartbeat or not (gateway/fleet/registry.py)."""
+        silent = time.monotonic() - self._heard_at
+        if silent >= SUSPECT_AFTER_S:
+            if self._registry.found_gone(self.worker_id):
+                return False
+            self._registry.suspect(self.worker_id)
+        return self._registry.is_live(self.worker_id) or silent < keys.HEARTBEAT_TTL_S
 
     def _unclaimed_past_queue_deadline(self) -> bool:
         """Nothing came back by the queue deadline and no worker of the model is alive (checked at
@@ -301,6 +313,7 @@ class Fleet:
         self.router = ReplyRouter(self.redis, settings.gateway_id, settings.max_buffered_chunks,
                                   on_overflow=self._cancel_slow_client)
         self.registry = WorkerRegistry(self.redis, settings.models)
+        self.registry.on_gone = self.router.wake_silent  # its runs see their worker gone at once
         # Per-request commands share pipelines; the router's blocking read keeps its own connection.
         # A finished run is unregistered before its client reads the end of the answer
         # (`end`, awaited by gateway/serve/life.py), so a cancel sent right after it finds nothing.
@@ -314,6 +327,7 @@ class Fleet:
         self._enqueue_script = self.batched.register_script(fair_queue.ENQUEUE)
         self._withdraw_script = self.batched.register_script(fair_queue.WITHDRAW)
         self._route_script = self.batched.register_script(affinity.ROUTE)
+        self._release_lease = self.batched.register_script(keys.RELEASE_LEASE)
         self.draining = False
         self._loops: list[asyncio.Task] = []
         self._tasks: set[asyncio.Task] = set()  # one-off jobs: the unregistering of runs, cancels
@@ -370,7 +384,7 @@ class Fleet:
         self.check_open(envelope)
         grant = await self.limits.admit(envelope, key)  # its key's limits (404, 429), before anything is registered
         envelope.reply_to = self.router.stream
-        run = Run(envelope, self.router.open(envelope.request_id), self.registry, self._save_continuation)
+        run = Run(envelope, self.router.open(envelope.request_id), self.registry, self._ready_takeover)
         run.grant = grant  # released by the run's ending, on every path
         try:
             await self._queue(run)
@@ -428,15 +442,27 @@ class Fleet:
             run.ending = self.spawn(self._unregister(run))
         return run.ending
 
-    def _save_continuation(self, request_id: str, state: Continuation) -> None:
-        """Keep what a stream's client was sent, for the worker that takes it over to continue from."""
-        async def save() -> None:
-            try:
-                await self.batched.set(keys.continuation_key(request_id), encode(state), ex=keys.CONTINUATION_TTL_S)
-            except (RedisError, OSError) as exc:  # the takeover then ends the stream with the worker's error
-                log.warning("request %s: could not save its continuation: %s", request_id, exc)
+    def _ready_takeover(self, run: Run, state: Continuation | None) -> None:
+        """Ready a stream whose worker is gone for another worker to take over: keep what its client
+        was sent (`state`, for a continuation), take the gone worker's lease back, then name the
+        request's entry on the model's takeover doorbell, where a worker with room claims it at once
+        (worker/consumer.py) instead of at its next sweep."""
+        request_id, worker_id, entry, model = run.request_id, run.worker_id, run.entry, run.envelope.model
 
-        self.spawn(save())
+        async def ready() -> None:
+            try:
+                saved = [self.batched.set(keys.continuation_key(request_id), encode(state),
+                                          ex=keys.CONTINUATION_TTL_S)] if state is not None else []
+                await asyncio.gather(*saved, self._release_lease(keys=[keys.lease_key(request_id)], args=[worker_id]))
+                if entry is not None:
+                    doorbell = keys.takeover_doorbell(model)
+                    await (self.batched.pipeline(transaction=False).rpush(doorbell, " ".join(entry))
+                           .ltrim(doorbell, -keys.TAKEOVER_DOORBELL_MAX, -1)
+                           .expire(doorbell, keys.TAKEOVER_DOORBELL_TTL_S).execute())
+            except (RedisError, OSError) as exc:  # the workers' sweep takes it over once its lease lapses
+                log.warning("request %s: could not ready its takeover: %s", request_id, exc)
+
+        self.spawn(ready())
 
     def _cancel_slow_client(self, request_id: str) -> None:
         metrics.SLOW_CLIENTS.inc()

@@ -222,6 +222,43 @@ def test_a_stream_goes_on_on_another_worker_when_its_worker_dies(redis_url, redi
         wait_for(lambda: not leftover_keys(redis_client), 10, "the request's keys to be settled")
 
 
+@pytest.mark.parametrize("temperature", [0, 0.8])
+def test_a_killed_workers_stream_is_taken_over_once_its_connection_closes(redis_url, gateway, temperature):
+    """SIGKILL closes the worker's connections: its gateway, finding the connection that renewed
+    its leases gone from Redis's client list, takes the lease back and rings the model's takeover
+    doorbell, and the waiting worker takes the stream over at once, before the lease could lapse.
+    The stream goes on whole."""
+    model = f"doomed-{uuid.uuid4().hex[:6]}"
+    doomed = start_worker(redis_url, model, "--scripted-tokens-per-second", "20")
+    rescuer = None
+    try:
+        wait_until_served(gateway, model)
+        body = {**_body(model, True, 100), "temperature": temperature}
+        with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            seen = [next(lines) for _ in range(6)]
+            rescuer = start_worker(redis_url, model)  # with the default sweep (--claim-idle 3)
+            wait_for(lambda: metric_value(gateway.url, "llmfleet_gateway_live_workers", model=model) == 2, 10,
+                     "the second worker to be live")
+            doomed.kill()
+            last, gaps, rest = time.monotonic(), [], []
+            for line in lines:
+                rest.append(line)
+                if line.startswith("data: "):
+                    gaps.append(time.monotonic() - last)
+                    last = time.monotonic()
+        text = "\n".join([*seen, *rest])
+        assert '"error"' not in text, text[-500:]
+        assert _stream_text(text) == " ".join(["tick", "tock"] * 50)
+        print(f"the longest wait for a chunk after the kill: {max(gaps):.2f}s")
+        assert metric_value(gateway.url, "llmfleet_gateway_workers_found_gone_total", model=model) == 1
+        assert metric_value(rescuer.url, "llmfleet_worker_migrations_total") == 1
+    finally:
+        if rescuer is not None:
+            rescuer.stop()
+        doomed.kill()
+
+
 def test_each_choice_of_a_sampled_stream_goes_on_where_it_stood_with_its_logprobs(redis_url, redis_client, gateway):
     """A sampled stream of two choices with logprobs, its worker SIGKILLed: the worker that takes it
     over continues each choice from the text its client was sent, as a request of its own; every
