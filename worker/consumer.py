@@ -248,7 +248,7 @@ class RequestConsumer:
             return
         doorbell = keys.takeover_doorbell(self.model)
         try:
-            rung = await self.redis.blpop([doorbell], timeout=wait)
+            rung = await self.redis.blpop([doorbell], timeout=min(wait, DOORBELL_WAIT_S))  # within socket timeouts
             if rung is None:
                 return
             if self.stopping.is_set():  # a stopping worker takes nothing: the ring is another's
