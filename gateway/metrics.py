@@ -29,6 +29,10 @@ MIGRATIONS = Counter("llmfleet_gateway_migrations_total", "Streams whose worker 
 WORKERS_FOUND_GONE = Counter("llmfleet_gateway_workers_found_gone_total", "Workers found dead by their lease "
                              "connection's absence from Redis, before their leases lapsed (gateway/fleet/registry.py)",
                              ["model"])
+MIGRATION_PAUSE = Histogram("llmfleet_gateway_migration_pause_seconds", "What a stream taken over mid-stream "
+                            "added: from the last reply of its worker that died or drained to the first new output "
+                            "its client got from the worker that took it over", ["model"],
+                            buckets=(0.25, 0.5, 0.75, 1, 1.5, 2, 3, 4, 6, 8, 12, 20))
 STALE_REPLIES = Counter("llmfleet_gateway_stale_replies_total", "Reply envelopes dropped because they came from a "
                         "worker that had lost the request's lease (another worker had taken it over)")
 # Fleet-wide figures read from Redis with each registry refresh (every half second): every gateway

@@ -110,6 +110,7 @@ class Run:
         self._continued_from: Continuation | None = None  # what it saved for a takeover to continue from
         self._replay: Replay | None = None
         self._lost_at = 0.0  # when (monotonic) its streaming worker was seen dead; 0: it was not
+        self._paused_at = 0.0  # when (monotonic) a stream taken over last heard from its old worker, until it goes on
         self._worker_gone = False  # its worker said it handed the stream over (`GenerationChunk.handed_over`)
 
     async def chunks(self) -> AsyncIterator[GenerationChunk]:
@@ -134,7 +135,7 @@ class Run:
                 metrics.STALE_REPLIES.inc()
                 continue
             previous, self.worker_id = self.worker_id, envelope.worker_id
-            self._heard_at = time.monotonic()
+            last_heard, self._heard_at = self._heard_at, time.monotonic()
             self._lost_at = 0.0
             self._worker_gone = False
             if envelope.stream:  # a worker's first write for it: where its entry is pending
@@ -145,7 +146,7 @@ class Run:
                         yield held
                         held = None
                 if envelope.lease > self._lease:
-                    self._follow_lease(envelope.lease, previous)
+                    self._follow_lease(envelope.lease, previous, last_heard)
                 if envelope.seq != self._next_seq:
                     self.close(reason="lost_chunks")
                     raise ServiceUnavailable("Part of the response was lost in transit (the queue restarted); "
@@ -159,6 +160,9 @@ class Run:
                     continue
                 if self._replay is not None and (chunk := self._joined(chunk)) is None:
                     continue
+                if self._paused_at:  # the first new output of a takeover
+                    metrics.MIGRATION_PAUSE.labels(self.envelope.model).observe(time.monotonic() - self._paused_at)
+                    self._paused_at = 0.0
                 if self._sent is not None:
                     self._sent.add(chunk)
                 if chunk.done:
@@ -185,7 +189,7 @@ class Run:
             delay = max(0.0, self.envelope.queue_deadline - time.time()) + QUEUE_ALARM_LAG_S
             self._queue_alarm = asyncio.get_running_loop().call_later(delay, self._replies.put_nowait, SILENCE)
 
-    def _follow_lease(self, lease: int, previous_worker: str) -> None:
+    def _follow_lease(self, lease: int, previous_worker: str, last_heard: float) -> None:
         """Follow the worker holding the newest lease. One that took the request over starts it
         anew: if an earlier worker's output already reached the client, the response goes on only
         where the takeover replays it exactly, joined where it stood, or continues it from there
@@ -203,6 +207,7 @@ class Run:
             self._next_seq = 0
             cause = "drain" if self._registry.was_draining(previous_worker) else "worker_lost"
             metrics.MIGRATIONS.labels(self.envelope.model, cause).inc()
+            self._paused_at = last_heard
         self._lease = lease
 
     def _lost(self) -> NoReturn:

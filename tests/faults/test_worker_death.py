@@ -253,6 +253,7 @@ def test_a_killed_workers_stream_is_taken_over_once_its_connection_closes(redis_
         print(f"the longest wait for a chunk after the kill: {max(gaps):.2f}s")
         assert metric_value(gateway.url, "llmfleet_gateway_workers_found_gone_total", model=model) == 1
         assert metric_value(rescuer.url, "llmfleet_worker_migrations_total") == 1
+        assert metric_value(gateway.url, "llmfleet_gateway_migration_pause_seconds_count", model=model) == 1
     finally:
         if rescuer is not None:
             rescuer.stop()
