@@ -163,13 +163,13 @@ def test_a_takeover_continues_each_unfinished_choice_and_counts_every_token_sent
 
 
 async def _continued(sent: str, chunks: list[GenerationChunk], **params) -> list[GenerationChunk]:
-    from worker.runner import _stopped_across_the_break
+    from worker.continuing import stopped_across_the_break
 
     async def engine():
         for chunk in chunks:
             yield chunk
 
-    return [chunk async for chunk in _stopped_across_the_break(engine(), sent, SamplingOptions(**params))]
+    return [chunk async for chunk in stopped_across_the_break(engine(), sent, SamplingOptions(**params))]
 
 
 def _ending(tokens: int) -> GenerationChunk:

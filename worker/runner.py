@@ -36,7 +36,7 @@ from redis.exceptions import RedisError
 
 from shared import keys, tracing
 from shared.codec import MAX_ENVELOPE_BYTES, decode
-from shared.envelopes import Candidate, Continuation, GenerationChunk, RequestEnvelope, SamplingOptions, Usage
+from shared.envelopes import Candidate, Continuation, GenerationChunk, RequestEnvelope, Usage
 from shared.errors import EngineError, EnvelopeError, FleetError, InvalidRequest, ServiceUnavailable, WorkerLost
 from shared.logs import REQUEST_ID
 from shared.redis_batch import BatchedRedis
@@ -51,6 +51,7 @@ from worker.adapters.base import (
     GenerationAdapter,
     TokenizerAdapter,
 )
+from worker.continuing import continuing, stopped_across_the_break
 from worker.leases import Leases
 from worker.publisher import ReplyPublisher
 
@@ -331,9 +332,9 @@ class Runner:
                          for index, part in parts.items()}
                 self._parts[request.request_id] = [part.request_id for part in parts.values()]
             sent = {choice.index: choice.text for choice in state.choices}
-            generation = _continuing({index: _stopped_across_the_break(adapter.generate(part), sent[index],
-                                                                       request.params)
-                                      for index, part in parts.items()}, state)
+            generation = continuing({index: stopped_across_the_break(adapter.generate(part), sent[index],
+                                                                     request.params)
+                                     for index, part in parts.items()}, state)
         chunks = self._observe(adapter, request, generation)
         deadline = self._deadline_alarm(request)
         try:
@@ -453,100 +454,6 @@ class Runner:
         if not done:
             log.warning("request %s ignored its abort; cancelling its task", request_id)
             task.cancel()
-
-
-async def _continuing(parts: dict[int, AsyncIterator[GenerationChunk]],
-                      state: Continuation) -> AsyncIterator[GenerationChunk]:
-    """The continuations of a stream's choices (`parts`, by choice index) as the rest of the stream
-    its client was reading: each choice's deltas under its own index, with no second first token or
-    prompt size, a completion's logprob offsets counted from the start of its text; then one terminal
-    chunk with the usage of the whole answer (the prompt as the client sent it, every completion
-    token once)."""
-    offsets = {choice.index: len(choice.text) for choice in state.choices}
-    completion_tokens = state.tokens
-    terminals = []
-    async with contextlib.aclosing(_merged(parts)) as chunks:
-        async for index, chunk in chunks:
-            if chunk.done:
-                terminals.append(chunk)
-                completion_tokens += chunk.usage.completion_tokens if chunk.usage is not None else 0
-                continue
-            chunk.choice_index = index
-            chunk.first_token = False
-            chunk.usage = None
-            chunk.prompt_token_ids = None
-            if isinstance(chunk.logprobs, dict) and offsets[index]:
-                chunk.logprobs["text_offset"] = [at + offsets[index] for at in chunk.logprobs["text_offset"]]
-            yield chunk
-    if not terminals:
-        return  # the runner fails it: no terminal chunk
-    terminal = next((t for t in terminals if t.error is not None), None) \
-        or next((t for t in terminals if t.finish_reason == "cancelled"), terminals[0])
-    if terminal.usage is not None:
-        terminal.usage = Usage(prompt_tokens=state.prompt_tokens, completion_tokens=completion_tokens)
-    yield terminal
-
-
-async def _stopped_across_the_break(chunks: AsyncIterator[GenerationChunk], sent: str,
-                                    params: SamplingOptions) -> AsyncIterator[GenerationChunk]:
-    """A continued choice's chunks, ended at a stop string that straddles the break: begun in the
-    text its client was sent, which the engine sees as prompt, not as output it checks. Its first
-    text is held until it is as long as the longest stop string but one (vLLM holds that much back
-    too); a stop found across the break then ends the choice there (the stop string's part in
-    the text already sent cannot be taken back), and the engine request with it."""
-    window = max(map(len, params.stop or ()), default=1) - 1
-    tail = sent[-window:] if window > 0 else ""
-    held: list[GenerationChunk] = []
-    async with contextlib.aclosing(chunks):
-        async for chunk in chunks:
-            if not tail:
-                yield chunk
-                continue
-            if not chunk.done:
-                held.append(chunk)
-            if not (chunk.done or chunk.finish_reason or sum(len(c.text or "") for c in held) >= window):
-                continue
-            first = tail + "".join(c.text or "" for c in held)
-            hit = min(((at, stop) for stop in params.stop for at in range(max(0, len(tail) - len(stop) + 1), len(tail))
-                       if first.startswith(stop, at)), default=None)
-            if hit is not None:
-                at, stop = hit
-                cut = held[0]
-                for later in held[1:]:
-                    cut.absorb(later)
-                end = at + len(stop) if params.include_stop_str_in_output else at
-                cut.text = first[len(tail):max(end, len(tail))]
-                cut.finish_reason, cut.stop_reason = "stop", stop
-                yield cut
-                yield GenerationChunk(done=True, finish_reason="stop", usage=Usage(completion_tokens=cut.token_count))
-                return
-            for earlier in held:
-                yield earlier
-            if chunk.done:
-                yield chunk
-            tail, held = "", []
-
-
-async def _merged(parts: dict[int, AsyncIterator[GenerationChunk]]) -> AsyncIterator[tuple[int, GenerationChunk]]:
-    """The chunks of several generations as they come, each with its key; all of them closed at the end."""
-    waiting = {asyncio.ensure_future(anext(chunks)): (index, chunks) for index, chunks in parts.items()}
-    try:
-        while waiting:
-            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-            for future in done:
-                index, chunks = waiting.pop(future)
-                try:
-                    chunk = future.result()
-                except StopAsyncIteration:
-                    continue
-                waiting[asyncio.ensure_future(anext(chunks))] = index, chunks
-                yield index, chunk
-    finally:
-        for future in waiting:
-            future.cancel()
-        await asyncio.gather(*waiting, return_exceptions=True)
-        for chunks in parts.values():
-            await chunks.aclose()
 
 
 @dataclass(slots=True)
