@@ -26,8 +26,8 @@ SLOW_CLIENTS = Counter("llmfleet_gateway_slow_client_cancels_total",
 MIGRATIONS = Counter("llmfleet_gateway_migrations_total", "Streams whose worker stopped mid-stream that went on: "
                      "a takeover's replay joined where the client stood, or its continuation of what the client was "
                      "sent (gateway/fleet/replay.py)", ["model", "cause"])
-WORKERS_FOUND_GONE = Counter("llmfleet_gateway_workers_found_gone_total", "Workers found dead by their lease "
-                             "connection's absence from Redis, before their leases lapsed (gateway/fleet/registry.py)",
+WORKERS_FOUND_GONE = Counter("llmfleet_gateway_workers_found_gone_total", "Workers found dead, before their leases "
+                             "lapsed, by no subscriber left on their presence channel (gateway/fleet/registry.py)",
                              ["model"])
 MIGRATION_PAUSE = Histogram("llmfleet_gateway_migration_pause_seconds", "What a stream taken over mid-stream "
                             "added: from the last reply of its worker that died or drained to the first new output "

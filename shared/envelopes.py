@@ -371,7 +371,8 @@ class WorkerInfo(Envelope):
     # The request kinds this worker accepts. A heartbeat without the field is from a worker older
     # than it, which accepted every kind of its time: these.
     kinds: list[str] = msgspec.field(default_factory=lambda: ["chat", "completion", "tokenize", "detokenize"])
-    # The connection that renews its leases (worker/leases.py), as "<Redis run_id>:<client id>"; "":
-    # unknown (a cluster). While the worker's process lives so does that connection: a gateway that
-    # finds it gone from that server knows the worker died, without waiting for its leases to lapse.
-    presence: str = ""
+    # The worker keeps a subscription to its presence channel (keys.presence_channel) while its
+    # process lives: a gateway that finds no subscriber there knows it died, without waiting for its
+    # leases to lapse. False: it keeps none (an older worker, or a Redis Cluster, where a channel's
+    # subscribers are counted per node).
+    presence: bool = False

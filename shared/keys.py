@@ -62,6 +62,8 @@ part of the name. `<...>` is a placeholder.
 |                                      |         | a run of that group registers            |
 | llmfleet:cancel                      | pub/sub | no storage; in a cluster a PUBLISH       |
 |                                      |         | reaches the subscribers of every node    |
+| llmfleet:presence:<worker_id>        | pub/sub | no storage; its worker subscribes while  |
+|                                      |         | it lives, nothing is published           |
 | llmfleet:events:{<response_id>}      | stream  | MAXLEN ~EVENT_LOG_MAXLEN; TTL: the run's |
 |                                      |         | deadline, then the gateway's keep time   |
 |                                      |         | once it ended (gateway/serve/resumable.py)       |
@@ -156,6 +158,12 @@ TAKEOVER_DOORBELL_MAX = 10_000
 DEAD_LETTER_MAXLEN = 10_000
 DEAD_LETTER_KEEP_BYTES = 64 * 1024  # of a poison envelope, kept for inspection
 CANCEL_CHANNEL = f"{PREFIX}:cancel"
+
+
+def presence_channel(worker_id: str) -> str:
+    """A channel its worker subscribes to while its process lives (WorkerInfo.presence); nothing is
+    published there: a dead process's connection, and its subscription, are gone at once."""
+    return f"{PREFIX}:presence:{worker_id}"
 # A response's events kept for a client that reconnects (gateway/serve/resumable.py): past this many,
 # the oldest go, and a resume from before them gets a 404.
 EVENT_LOG_MAXLEN = 20_000

@@ -29,13 +29,25 @@ Cancel = Callable[[str, str, float], None]  # request id, cause, when the gatewa
 
 
 class CancelFollower:
+    """Follows the cancel channel; on the same connection it holds the worker's presence channel
+    (keys.presence_channel), whose subscription Redis drops the moment the process dies."""
+
     def __init__(self, redis: aioredis.Redis, model: str, running: Collection[str], requested: Container[str],
-                 cancel: Cancel):
+                 cancel: Cancel, worker_id: str = ""):
         self.redis = redis
         self.model = model
         self.running = running  # the worker's running request ids (a live view)
         self.requested = requested  # those a cancel has reached already
         self.cancel = cancel
+        # Not on a cluster, whose nodes count a channel's subscribers each for itself.
+        self._channels = [keys.CANCEL_CHANNEL.encode()]
+        if worker_id and not isinstance(redis, aioredis.RedisCluster):
+            self._channels.append(keys.presence_channel(worker_id).encode())
+
+    @property
+    def presence(self) -> bool:
+        """Whether this worker holds its presence channel (WorkerInfo.presence)."""
+        return len(self._channels) > 1
 
     async def listen(self, stopping: asyncio.Event) -> None:
         """Follow the cancel channel until `stopping`, resubscribing after Redis comes back."""
@@ -48,10 +60,11 @@ class CancelFollower:
 
     async def _follow(self) -> None:
         pubsub = self.redis.pubsub()
-        await pubsub.subscribe(keys.CANCEL_CHANNEL)
+        await pubsub.subscribe(*self._channels)
         try:
             async for message in pubsub.listen():
-                if message.get("type") == "subscribe":  # at start, and each time redis-py reconnects
+                if message.get("type") == "subscribe" and message.get("channel") == self._channels[0]:
+                    # At start, and each time redis-py reconnects.
                     # Notices sent while the subscription was down are gone: catch up from the stashes.
                     self.cancel_missed(await self.stashed(self.redis.pipeline(transaction=False)))
                     continue

@@ -12,10 +12,6 @@ request lost, and the worker aborts it and publishes nothing more for it. What i
 put on the wire can still land when the link comes back: every chunk carries its lease's
 fencing token (Redis's clock when the lease was taken), and gateways drop chunks of a lease
 older than one they have heard from.
-
-The renewing connection also stands for the worker's process: its Redis client id goes out with
-the heartbeat (`WorkerInfo.presence`). A process that dies closes it, and a gateway that finds it
-gone from Redis's client list knows at once that the worker is dead (gateway/fleet/registry.py).
 """
 
 from __future__ import annotations
@@ -58,10 +54,6 @@ class Leases:
         self._until: dict[str, float] = {}
         self._lock = threading.Lock()
         self.lost: set[str] = set()
-        # The renewing connection (WorkerInfo.presence): Redis's run id and its client id, read with
-        # each renewal (a reconnection, or a failover, changes it). "" on a cluster, where no one
-        # connection stands for the process.
-        self.presence = ""
         self.loop_seen = time.monotonic()  # the event loop's last turn in `watch`
         self._stop_keeping = threading.Event()
         self._keeper: threading.Thread | None = None
@@ -88,13 +80,7 @@ class Leases:
         self.lost.discard(request_id)
 
     def start_keeping(self, client: redis.Redis | redis.RedisCluster, heartbeat_key: str) -> None:
-        """Renew the leases, and the heartbeat key's TTL, from a thread, once a heartbeat interval;
-        the renewing connection is open from here, named in the first heartbeat (`presence`)."""
-        if not isinstance(client, redis.RedisCluster):
-            try:
-                self._note_presence(client, client.client_id())
-            except (redis.RedisError, OSError) as exc:
-                log.warning("could not open the lease connection: %s", exc)
+        """Renew the leases, and the heartbeat key's TTL, from a thread, once a heartbeat interval."""
         self._keeper = threading.Thread(target=self.keep, args=(client, heartbeat_key), name="lease-keeper",
                                         daemon=True)
         self._keeper.start()
@@ -125,25 +111,12 @@ class Leases:
             for request_id in held:
                 pipe.expire(keys.lease_key(request_id), keys.LEASE_TTL_S)
             pipe.expire(heartbeat_key, keys.HEARTBEAT_TTL_S)
-            present = not isinstance(client, redis.RedisCluster)
-            if present:
-                pipe.client_id()
             try:
-                renewed = pipe.execute()
+                pipe.execute()
             except (redis.RedisError, OSError) as exc:
                 log.warning("renewing %d leases failed: %s", len(held), exc)
                 continue
-            if present:
-                self._note_presence(client, renewed[-1])
             self._renewed(held, sent)
-
-    def _note_presence(self, client: redis.Redis, client_id: int) -> None:
-        """The renewing connection is `client_id`: if it is a new one, on which server."""
-        if not self.presence.endswith(f":{client_id}"):
-            try:
-                self.presence = f"{client.info('server')['run_id']}:{client_id}"
-            except (redis.RedisError, OSError, KeyError) as exc:
-                log.warning("could not read Redis's run id: %s", exc)
 
     def _renewed(self, request_ids: list[str], at: float) -> None:
         """Redis confirmed the renewals sent at `at`: those leases hold until LEASE_TTL_S after it."""

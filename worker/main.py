@@ -83,7 +83,8 @@ class Worker:
                                         express_slots=express_slots)
         self.cancels = CancelFollower(redis, self.model, self.runner.running, self.runner.cancel_requested,
                                       lambda rid, cause, sent_at: self.runner.spawn(self.runner.cancel(rid, cause,
-                                                                                                      sent_at)))
+                                                                                                      sent_at)),
+                                      self.worker_id)
         self.heartbeat = Heartbeat(redis, self.model, self.worker_id, self.info, self.cancels)
         self.started = time.time()
         self.fatal: BaseException | None = None  # set when the engine died
@@ -109,7 +110,7 @@ class Worker:
         return WorkerInfo(worker_id=self.worker_id, model=self.model, max_model_len=self.adapter.max_model_len,
                           capacity=self.max_concurrency, in_flight=self.in_flight, engine=self.adapter.engine_name,
                           started=self.started, draining=self.draining, completed=self.runner.completed,
-                          kinds=list(self.kinds), presence=self.leases.presence)
+                          kinds=list(self.kinds), presence=self.cancels.presence)
 
     async def run(self) -> None:
         """Serve until `stop()` (or cancelled); then stop claiming, finish what runs, stop the loops

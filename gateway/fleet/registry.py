@@ -18,11 +18,12 @@ queued: a 400 when they do the other kind of work (embeddings of a generation mo
 
 A worker that dies is noticed sooner than its heartbeat's TTL where its process closed its
 connections (a crash, a kill): a run whose worker has been silent for SUSPECT_AFTER_S asks
-(`suspect`), and the registry looks at once for the connection that renews the worker's leases
-(`WorkerInfo.presence`) in Redis's client list; a worker whose connection is gone is dead
+(`suspect`), and the registry counts at once the subscribers of the worker's presence channel
+(`WorkerInfo.presence`, keys.presence_channel: PUBSUB NUMSUB); a worker with none is dead
 (`found_gone`). A host that vanishes without closing its connections is noticed at its
-heartbeat's lapse, as before. On a Redis Cluster no one connection stands for a worker: there
-the heartbeat alone tells.
+heartbeat's lapse, as before. So is every worker while this gateway's own link to Redis is
+younger than PRESENCE_TRUST_S (after a restart or a failover, a live worker may not have
+subscribed again yet), and on a Redis Cluster, whose nodes count subscribers each for itself.
 
 Each refresh also reads every known model's request stream, and the own stream of each of its
 live workers (`shared/affinity.py`), in one pipeline, for the backlog gauges and `/fleet/load`:
@@ -51,6 +52,7 @@ log = logging.getLogger(__name__)
 
 REFRESH_S = 0.5  # with the heartbeat TTL and the silence check, bounds how late a dead worker is noticed
 GONE_MEMORY_S = 60.0  # a worker found gone is remembered as such this long
+PRESENCE_TRUST_S = 5.0  # how long this gateway's link to Redis must have lasted to judge by presence
 DRAINED_MEMORY_S = 60.0  # a worker seen draining is remembered as such this long after its last heartbeat
 # The context length of a model no live worker announces and this gateway never saw served: the
 # gateway cannot check `max_tokens` against it, so it leaves that check to the worker's engine.
@@ -91,11 +93,12 @@ class WorkerRegistry:
         self._remembered: dict[str, _Remembered] = {}
         self._reported: set[str] = set()  # models with backlog series on /metrics
         self._draining: dict[str, float] = {}  # worker id -> when (monotonic) last seen draining
-        self._presence: dict[str, str] = {}  # live worker id -> its lease connection ("<run id>:<client id>")
+        self._presence: set[str] = set()  # live workers that hold a presence channel
         self._suspects: set[str] = set()  # workers a run found silent, to look for (`suspect`)
         self._suspected = asyncio.Event()
-        self._gone: dict[str, float] = {}  # worker id -> when (monotonic) its lease connection was found gone
+        self._gone: dict[str, float] = {}  # worker id -> when (monotonic) it was found gone
         self.on_gone: Callable[[], None] = lambda: None  # some worker was found gone: its runs look around
+        self.linked_since: Callable[[], float] = time.monotonic  # since when (monotonic) the link to Redis holds
         self.load: dict[str, Load] = {}  # by known model, as of the last refresh
         self._refreshed = 0.0
         self.stopping = asyncio.Event()
@@ -120,7 +123,7 @@ class WorkerRegistry:
             self._draining.update((w.worker_id, now) for w in view.workers if w.draining)
         self._draining = {w: at for w, at in self._draining.items() if now - at < DRAINED_MEMORY_S}
         self.models = models
-        self._presence = {w.worker_id: w.presence for view in models.values() for w in view.workers}
+        self._presence = {w.worker_id for view in models.values() for w in view.workers if w.presence}
         self._gone = {w: at for w, at in self._gone.items() if now - at < GONE_MEMORY_S}
         self._refreshed = now
         self._remember(now)
@@ -195,35 +198,33 @@ class WorkerRegistry:
                 await asyncio.wait_for(self._suspected.wait(), max(0.0, refresh_at - time.monotonic()))
 
     async def _look_for_suspects(self) -> None:
-        """Find the suspects whose lease connection Redis no longer has: their process is gone."""
-        suspects = {w: presence.split(":") for w in self._suspects if (presence := self._presence.get(w))}
-        self._suspects.clear()
-        if not suspects:
+        """Find the suspects that no longer hold their presence channel: their process is gone."""
+        suspects, self._suspects = self._suspects, set()
+        if not suspects or time.monotonic() - self.linked_since() < PRESENCE_TRUST_S:
             return
-        server, clients = await (self.redis.pipeline(transaction=False).info("server")
-                                 .client_list(client_id=[client for _run, client in suspects.values()]).execute())
-        present = {client["id"] for client in clients}
+        channels = {keys.presence_channel(w): w for w in suspects}
+        counts = await self.redis.pubsub_numsub(*channels)
         now, found = time.monotonic(), False
-        for worker_id, (run_id, client) in suspects.items():
-            # On another server (a failover since), the connection is not to be found here.
-            if run_id == server["run_id"] and client not in present and worker_id not in self._gone:
+        for channel, subscribers in counts:
+            worker_id = channels[channel.decode() if isinstance(channel, bytes) else channel]
+            if subscribers == 0 and worker_id not in self._gone:
                 self._gone[worker_id] = now
                 model = next((m for m, view in self.models.items() if any(w.worker_id == worker_id
                                                                            for w in view.workers)), "")
                 metrics.WORKERS_FOUND_GONE.labels(model).inc()
-                log.warning("worker %s of %s is gone: its lease connection closed", worker_id, model)
+                log.warning("worker %s of %s is gone: its connections closed", worker_id, model)
                 found = True
         if found:
             self.on_gone()
 
     def suspect(self, worker_id: str) -> None:
         """A run's worker has been silent a while: look for its connection now (see `found_gone`)."""
-        if worker_id not in self._gone and self._presence.get(worker_id):
+        if worker_id not in self._gone and worker_id in self._presence:
             self._suspects.add(worker_id)
             self._suspected.set()
 
     def found_gone(self, worker_id: str) -> bool:
-        """The worker's lease connection was found gone from Redis: its process died."""
+        """The worker's presence channel was found without a subscriber: its process died."""
         return worker_id in self._gone
 
     def stop(self) -> None:

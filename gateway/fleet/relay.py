@@ -44,6 +44,7 @@ class ReplyRouter:
         self._routes: dict[str, asyncio.Queue[ChunkEnvelope | None]] = {}
         self._last_id = "$"
         self.connected = asyncio.Event()
+        self.connected_at = 0.0  # when (monotonic) the reply stream was last (re)made: the link to Redis holds since
         self.stopping = asyncio.Event()
 
     def open(self, request_id: str) -> asyncio.Queue[ChunkEnvelope | None]:
@@ -74,6 +75,7 @@ class ReplyRouter:
                 if not self.connected.is_set():
                     await self.create_stream()
                     self.connected.set()
+                    self.connected_at = time.monotonic()
                 replies = await self.redis.xread({self.stream: self._last_id}, count=READ_BATCH,
                                                  block=READ_BLOCK_MS)
             except RedisError as exc:

@@ -63,7 +63,7 @@ QUEUE_ALARM_LAG_S = 0.005  # a timer may fire a little before its time: the queu
 # another worker to take it over: the lease lapses (LEASE_TTL_S), the entry has been claimed for a
 # worker's --claim-idle (3 s) and a reclaim turn comes (half that), then the takeover's first chunk.
 TAKEOVER_WAIT_S = 10.0
-SUSPECT_AFTER_S = 0.5  # a streaming worker silent this long is looked for in Redis's client list
+SUSPECT_AFTER_S = 0.5  # a streaming worker silent this long has its presence channel looked at
 # A stop takes at most STOP_GRACE_S + 2 * STOP_CANCEL_S + REDIS_CLOSE_S, whatever Redis does.
 STOP_GRACE_S = 2.0  # the cancels and unregistering of the last runs may take this long
 STOP_CANCEL_S = 2.0  # then what still runs is cancelled, and left behind after this
@@ -266,8 +266,8 @@ class Run:
         """Its worker's heartbeat is live, or the worker spoke within a heartbeat's TTL: a worker
         that is sending the request's chunks lives, even when its heartbeat key is missing for a
         moment (lost with a Redis failover or restart, until its next beat writes it again). A
-        worker silent for SUSPECT_AFTER_S is looked for in Redis's client list: one whose lease
-        connection is gone is dead, heartbeat or not (gateway/fleet/registry.py)."""
+        worker silent for SUSPECT_AFTER_S has its presence channel looked at: one with nobody left
+        there is dead, heartbeat or not (gateway/fleet/registry.py)."""
         silent = time.monotonic() - self._heard_at
         if silent >= SUSPECT_AFTER_S:
             if self._registry.found_gone(self.worker_id):
@@ -319,6 +319,7 @@ class Fleet:
                                   on_overflow=self._cancel_slow_client)
         self.registry = WorkerRegistry(self.redis, settings.models)
         self.registry.on_gone = self.router.wake_silent  # its runs see their worker gone at once
+        self.registry.linked_since = lambda: self.router.connected_at
         # Per-request commands share pipelines; the router's blocking read keeps its own connection.
         # A finished run is unregistered before its client reads the end of the answer
         # (`end`, awaited by gateway/serve/life.py), so a cancel sent right after it finds nothing.

@@ -11,6 +11,7 @@ import uuid
 import httpx
 import pytest
 
+from gateway.fleet.registry import PRESENCE_TRUST_S
 from shared import keys
 from tests.conftest import leftover_keys
 from tests.procs import metric_value, start_gateway, start_worker, wait_for, wait_until_served
@@ -224,22 +225,25 @@ def test_a_stream_goes_on_on_another_worker_when_its_worker_dies(redis_url, redi
 
 @pytest.mark.parametrize("temperature", [0, 0.8])
 def test_a_killed_workers_stream_is_taken_over_once_its_connection_closes(redis_url, gateway, temperature):
-    """SIGKILL closes the worker's connections: its gateway, finding the connection that renewed
-    its leases gone from Redis's client list, takes the lease back and rings the model's takeover
-    doorbell, and the waiting worker takes the stream over at once, before the lease could lapse.
-    The stream goes on whole."""
+    """SIGKILL closes the worker's connections: its gateway, finding no subscriber left on the
+    worker's presence channel, takes the lease back and rings the model's takeover doorbell, and
+    the waiting worker takes the stream over at once, before the lease could lapse. The stream goes
+    on whole."""
     model = f"doomed-{uuid.uuid4().hex[:6]}"
     doomed = start_worker(redis_url, model, "--scripted-tokens-per-second", "20")
     rescuer = None
     try:
         wait_until_served(gateway, model)
-        body = {**_body(model, True, 100), "temperature": temperature}
+        body = {**_body(model, True, 200), "temperature": temperature}  # 10 s
         with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", json=body, timeout=60) as response:
             lines = response.iter_lines()
             seen = [next(lines) for _ in range(6)]
             rescuer = start_worker(redis_url, model)  # with the default sweep (--claim-idle 3)
             wait_for(lambda: metric_value(gateway.url, "llmfleet_gateway_live_workers", model=model) == 2, 10,
                      "the second worker to be live")
+            # A gateway judges by presence once its own link to Redis is PRESENCE_TRUST_S old.
+            time.sleep(max(0.0, PRESENCE_TRUST_S + 0.5 - (time.time() - metric_value(
+                gateway.url, "process_start_time_seconds"))))
             doomed.kill()
             last, gaps, rest = time.monotonic(), [], []
             for line in lines:
@@ -249,7 +253,7 @@ def test_a_killed_workers_stream_is_taken_over_once_its_connection_closes(redis_
                     last = time.monotonic()
         text = "\n".join([*seen, *rest])
         assert '"error"' not in text, text[-500:]
-        assert _stream_text(text) == " ".join(["tick", "tock"] * 50)
+        assert _stream_text(text) == " ".join(["tick", "tock"] * 100)
         print(f"the longest wait for a chunk after the kill: {max(gaps):.2f}s")
         assert metric_value(gateway.url, "llmfleet_gateway_workers_found_gone_total", model=model) == 1
         assert metric_value(rescuer.url, "llmfleet_worker_migrations_total") == 1
