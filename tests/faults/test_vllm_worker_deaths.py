@@ -79,13 +79,20 @@ def test_vllm_worker_killed_mid_generation(vllm_stack, mortal_worker, mortal_spa
             except httpx.HTTPError as exc:
                 result["response"] = exc
 
+        streaming = {path: threading.Event() for path in ("/v1/chat/completions", "/v1/completions")}
+
         def sampled_stream(path: str, body: dict) -> None:  # continued by the rescuer after the death
             body = {**body, "max_tokens": 1500, "temperature": 1.0, "ignore_eos": True, "model": MORTAL_MODEL,
                     "stream": True, "stream_options": {"include_usage": True}}
+            chunks = result[path] = []
             try:
                 with httpx.stream("POST", f"{vllm_stack.gateway.url}{path}", json=body, timeout=60) as response:
-                    result[path] = [json.loads(line[6:]) for line in response.iter_lines()
-                                    if line.startswith("data: {")]
+                    for line in response.iter_lines():
+                        if line.startswith("data: {"):
+                            chunks.append(json.loads(line[6:]))
+                            if any(choice.get("text") or choice.get("delta", {}).get("content")
+                                   for choice in chunks[-1].get("choices", ())):
+                                streaming[path].set()  # its text has begun: the kill is mid-stream
             except httpx.HTTPError as exc:
                 result[path] = exc
 
@@ -104,6 +111,7 @@ def test_vllm_worker_killed_mid_generation(vllm_stack, mortal_worker, mortal_spa
             data = [next(lines)]
             wait_for(lambda: metric_value(doomed.url, "llmfleet_worker_in_flight") == 4, 20,
                      "the doomed worker to run the four requests")
+            assert all(begun.wait(60) for begun in streaming.values()), "the sampled streams to begin"
             _kill_with_engine(doomed)
             killed_at = time.monotonic()
             os.kill(rescuer.pid, signal.SIGCONT)
