@@ -255,14 +255,19 @@ class RequestConsumer:
                 await self.redis.lpush(doorbell, rung[1])
                 return
             named = [rung[1], *(await self.redis.lpop(doorbell, free - 1) or ())] if free > 1 else [rung[1]]
-            claimed = []
-            for stream, entry_id in (item.decode().split(" ", 1) for item in named):
-                entries = await self.redis.xclaim(stream, keys.WORKER_GROUP, self.worker_id, 0, [entry_id])
-                claimed += [(stream, claimed_id, fields) for claimed_id, fields in entries]
-        except (RedisError, ValueError) as exc:
+        except RedisError as exc:
             log.warning("taking over rung requests failed: %s", exc)
             await pause(self.stopping, wait)
             return
+        claimed = []
+        for item in named:  # each on its own: one gone (its stream deleted since) spoils no other
+            try:
+                stream, entry_id = item.decode().split(" ", 1)
+                entries = await self.redis.xclaim(stream, keys.WORKER_GROUP, self.worker_id, 0, [entry_id])
+            except (RedisError, ValueError) as exc:
+                log.warning("taking over the rung request %r failed: %s", item, exc)
+                continue
+            claimed += [(stream, claimed_id, fields) for claimed_id, fields in entries]
         await self._start_entries(claimed, "reclaimed")
 
     async def _start_entries(self, entries: list[tuple], source: str | None = None, limited: bool = False) -> None:
