@@ -175,6 +175,11 @@ class WorkerRegistry:
             metrics.BACKLOG.labels(model, "running").set(load[model].running)
             view = self.models.get(model)
             metrics.LIVE_WORKERS.labels(model).set(len(view.workers) if view else 0)
+        for model in set(streams) - self._reported:
+            # Rare events' series exist from the start, at 0, so that a rate sees the first event (a
+            # series born at 1 shows no increase).
+            metrics.MIGRATION_PAUSE.labels(model)
+            metrics.WORKERS_FOUND_GONE.labels(model)
         for gone in self._reported - set(streams):
             for series in ((gone, "waiting"), (gone, "running")):
                 metrics.BACKLOG.remove(*series)
