@@ -340,8 +340,8 @@ class ChunkEnvelope(Envelope):
     # worker that takes a request over holds a later lease with a larger token, so a gateway can
     # drop what the worker that lost the request still had on the wire.
     lease: NonNegative = 0
-    # Where the request's entry waits acknowledged, on a worker's first write for it (seq 0): the
-    # stream and entry id a takeover claims when its gateway sees the worker gone (keys.takeover_doorbell).
+    # Where the request's entry is pending, on a worker's first write for it (seq 0): the stream and
+    # entry id a takeover claims when its gateway sees the worker gone (keys.takeover_doorbell).
     stream: str = ""
     entry_id: str = ""
 

@@ -188,7 +188,7 @@ class WorkerRegistry:
         self.load = load
 
     async def run(self) -> None:
-        """Refresh every REFRESH_S, and look for suspects' connections as soon as a run names one."""
+        """Refresh every REFRESH_S, and look at a suspect's presence channel as soon as a run names one."""
         refresh_at = 0.0
         while not self.stopping.is_set():
             self._suspected.clear()
@@ -223,7 +223,8 @@ class WorkerRegistry:
             self.on_gone()
 
     def suspect(self, worker_id: str) -> None:
-        """A run's worker has been silent a while: look for its connection now (see `found_gone`)."""
+        """A run's worker has been silent a while: count its presence channel's subscribers now
+        (see `found_gone`)."""
         if worker_id not in self._gone and worker_id in self._presence:
             self._suspects.add(worker_id)
             self._suspected.set()
