@@ -18,13 +18,15 @@ from shared.envelopes import Continuation, GenerationChunk, SamplingOptions, Usa
 async def continuing(parts: dict[int, AsyncIterator[GenerationChunk]],
                       state: Continuation) -> AsyncIterator[GenerationChunk]:
     """The continuations of a stream's choices (`parts`, by choice index) as the rest of the stream
-    its client was reading: each choice's deltas under its own index, with no second first token or
-    prompt size, a completion's logprob offsets counted from the start of its text; then one terminal
-    chunk with the usage of the whole answer (the prompt as the client sent it, every completion
-    token once)."""
+    its client was reading: each choice's deltas under its own index, without the prompt's size, a
+    completion's logprob offsets counted from the start of its text, and one first token (the
+    worker times the continuation's prefill by it; the gateway counts only the stream's first);
+    then one terminal chunk with the usage of the whole answer (the prompt as the client sent it,
+    every completion token once)."""
     offsets = {choice.index: len(choice.text) for choice in state.choices}
     completion_tokens = state.tokens
     terminals = []
+    begun = False
     async with contextlib.aclosing(_merged(parts)) as chunks:
         async for index, chunk in chunks:
             if chunk.done:
@@ -32,7 +34,8 @@ async def continuing(parts: dict[int, AsyncIterator[GenerationChunk]],
                 completion_tokens += chunk.usage.completion_tokens if chunk.usage is not None else 0
                 continue
             chunk.choice_index = index
-            chunk.first_token = False
+            if chunk.first_token:
+                chunk.first_token, begun = not begun, True
             chunk.usage = None
             chunk.prompt_token_ids = None
             if isinstance(chunk.logprobs, dict) and offsets[index]:

@@ -50,7 +50,7 @@ class _Choice:
 
 
 class Sent:
-    """What a replayable stream has relayed so far, per choice."""
+    """What a stream a takeover replays or continues has relayed so far, per choice."""
 
     def __init__(self, choice_count: int = 1) -> None:
         self.choice_count = choice_count

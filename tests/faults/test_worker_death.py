@@ -220,6 +220,8 @@ def test_a_stream_goes_on_on_another_worker_when_its_worker_dies(redis_url, redi
         assert (usage["prompt_tokens"], usage["completion_tokens"]) == (2, 60)
         assert metric_value(rescuer.url, "llmfleet_worker_migrations_total") == 1
         assert metric_value(gateway.url, "llmfleet_gateway_migrations_total", model=model) == 1
+        # The takeover's own prefill is timed once (its first token), for a replay and a continuation alike.
+        assert metric_value(rescuer.url, "llmfleet_worker_time_to_first_token_seconds_count") == 1
         wait_for(lambda: not leftover_keys(redis_client), 10, "the request's keys to be settled")
 
 
@@ -287,6 +289,8 @@ def test_each_choice_of_a_sampled_stream_goes_on_where_it_stood_with_its_logprob
         usage = chunks[-1]["usage"]
         assert (usage["prompt_tokens"], usage["completion_tokens"]) == (2, 120)
         assert metric_value(rescuer.url, "llmfleet_worker_migrations_total") == 1
+        # Two engine requests, one first token: the continuation's prefill is timed once.
+        assert metric_value(rescuer.url, "llmfleet_worker_time_to_first_token_seconds_count") == 1
         wait_for(lambda: not leftover_keys(redis_client), 10, "the request's keys to be settled")
 
 
