@@ -199,6 +199,10 @@ class ContinuedChoice(Envelope):
     index: NonNegative
     text: str
     tokens: NonNegative  # completion tokens sent
+    # Where a completion's logprob offsets count on from: the sent tokens' last offset and its
+    # token's length. vLLM counts offsets by each token's own text, which can outrun the text
+    # (bytes of one character each decode to a replacement character).
+    text_offset: NonNegative = 0
 
 
 class Continuation(Envelope):

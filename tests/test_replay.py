@@ -162,6 +162,15 @@ def test_a_takeover_continues_each_unfinished_choice_and_counts_every_token_sent
     assert sent.continuation() is None  # a tool call's state is more than its text
 
 
+def test_a_completions_logprob_offsets_go_on_from_the_last_token_sent_not_from_its_text():
+    # Two tokens, each one byte of "é": each decodes to a replacement character, so vLLM's offsets
+    # (0, then 1) count two characters where the text holds one.
+    halves = {"text_offset": [0, 1], "token_logprobs": [-1.0, -1.0], "tokens": ["\ufffd", "\ufffd"],
+              "top_logprobs": [None, None]}
+    sent = _sent(_delta("é", 2, first_token=True, logprobs=halves, usage=Usage(prompt_tokens=3)))
+    assert sent.continuation().choices == [ContinuedChoice(index=0, text="é", tokens=2, text_offset=2)]
+
+
 async def _continued(sent: str, chunks: list[GenerationChunk], **params) -> list[GenerationChunk]:
     from worker.continuing import stopped_across_the_break
 

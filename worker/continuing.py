@@ -19,11 +19,11 @@ async def continuing(parts: dict[int, AsyncIterator[GenerationChunk]],
                       state: Continuation) -> AsyncIterator[GenerationChunk]:
     """The continuations of a stream's choices (`parts`, by choice index) as the rest of the stream
     its client was reading: each choice's deltas under its own index, without the prompt's size, a
-    completion's logprob offsets counted from the start of its text, and one first token (the
+    completion's logprob offsets counted on from the last it was sent, and one first token (the
     worker times the continuation's prefill by it; the gateway counts only the stream's first);
     then one terminal chunk with the usage of the whole answer (the prompt as the client sent it,
     every completion token once)."""
-    offsets = {choice.index: len(choice.text) for choice in state.choices}
+    offsets = {choice.index: choice.text_offset for choice in state.choices}
     completion_tokens = state.tokens
     terminals = []
     begun = False

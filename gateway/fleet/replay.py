@@ -47,6 +47,7 @@ class _Choice:
     calls: list[str] = field(default_factory=list)
     tokens: int = 0
     finished: bool = False
+    text_offset: int = 0  # where a completion's next logprob offset counts from
 
 
 class Sent:
@@ -68,6 +69,8 @@ class Sent:
         if chunk.tool_calls:
             choice.calls.append(_calls(chunk))
         choice.tokens += chunk.token_count
+        if isinstance(chunk.logprobs, dict) and chunk.logprobs.get("tokens"):
+            choice.text_offset = chunk.logprobs["text_offset"][-1] + len(chunk.logprobs["tokens"][-1])
         choice.finished = choice.finished or chunk.finish_reason is not None
 
     def continuation(self) -> Continuation | None:
@@ -77,7 +80,8 @@ class Sent:
         if any(choice.reasoning or choice.calls for choice in self.choices.values()):
             return None
         sent = [(index, self.choices.get(index, _Choice())) for index in range(self.choice_count)]
-        going = [ContinuedChoice(index=index, text="".join(choice.text), tokens=choice.tokens)
+        going = [ContinuedChoice(index=index, text="".join(choice.text), tokens=choice.tokens,
+                                 text_offset=choice.text_offset)
                  for index, choice in sent if not choice.finished]
         if not going:
             return None

@@ -154,11 +154,12 @@ def test_vllm_worker_killed_mid_generation(vllm_stack, mortal_worker, mortal_spa
             logprobs = [entry for c in chat for choice in c["choices"] if choice["index"] == index
                         for entry in (choice.get("logprobs") or {}).get("content") or ()]
             assert len(logprobs) == 1500 and all(len(entry["top_logprobs"]) == 2 for entry in logprobs), index
-        # A completion's logprob offsets go on counting from the start of the text the client has.
-        text = "".join(c["choices"][0]["text"] for c in completion if c["choices"])
-        offsets = [at for c in completion if c["choices"] and c["choices"][0]["logprobs"]
-                   for at in c["choices"][0]["logprobs"]["text_offset"]]
-        assert len(offsets) == 1500 and offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] < len(text)
+        # A completion's logprob offsets count on across the break as vLLM counts them: each token's
+        # offset is the one before it plus that token's text (which can outrun the text itself).
+        entries = [entry for c in completion if c["choices"] and c["choices"][0]["logprobs"]
+                   for entry in zip(c["choices"][0]["logprobs"]["text_offset"], c["choices"][0]["logprobs"]["tokens"])]
+        assert len(entries) == 1500 and entries[0][0] == 0
+        assert [at for at, _token in entries[1:]] == [at + len(token) for at, token in entries[:-1]]
         assert metric_value(rescuer.url, "llmfleet_worker_reclaimed_total") == 4
         assert metric_value(rescuer.url, "llmfleet_worker_migrations_total") == 3  # a replay, two continuations
     finally:
