@@ -336,7 +336,9 @@ class ChunkEnvelope(Envelope):
     """The chunks a worker publishes for one request in one write, in order."""
 
     request_id: Id
-    seq: Annotated[int, msgspec.Meta(ge=-1)]  # per request, from 0; -1: an ending the gateway made itself
+    # Per request, from 0; -1: an ending the gateway made itself. An envelope of no chunks (a
+    # worker's note that it has started the request, `ReplyPublisher.started`) takes none.
+    seq: Annotated[int, msgspec.Meta(ge=-1)]
     chunks: list[GenerationChunk]
     worker_id: str = ""
     v: Version = WIRE_VERSION

@@ -51,8 +51,9 @@ part of the name. `<...>` is a placeholder.
 | llmfleet:takeover:{<model>}:doorbell | list    | at most TAKEOVER_DOORBELL_MAX (LTRIM),   |
 |                                      |         | TTL TAKEOVER_DOORBELL_TTL_S: the entries |
 |                                      |         | of requests whose worker a gateway saw   |
-|                                      |         | gone; a worker with room pops (BLPOP)    |
-|                                      |         | and claims them                          |
+|                                      |         | gone or a draining worker gave up; a     |
+|                                      |         | worker with room pops (BLPOP) and claims |
+|                                      |         | them (shared/takeover.py)                |
 | llmfleet:cancel-id:{<group>}         | set     | TTL: the longest deadline of its runs;   |
 |                                      |         | the runs not finished, and a finished    |
 |                                      |         | mark. A group is a tenant's cancel_id or |

@@ -118,6 +118,30 @@ async def test_terminal_chunks_acknowledge_their_requests_after_their_entry(redi
     await redis.aclose()
 
 
+async def test_a_started_note_names_the_worker_and_entry_and_takes_no_seq(redis_url: str) -> None:
+    """A worker that starts a non-streaming generation tells its gateway at once where the request's
+    entry is pending, in an envelope of no chunks: no seq taken (its answer is seq 0) and no
+    `streamed` mark (nothing reached the client: a takeover may run it again)."""
+    redis = aioredis.Redis.from_url(redis_url)
+    gateway = uuid.uuid4().hex
+    router = ReplyRouter(redis, gateway)
+    request = _request(gateway, True)
+    queue = router.open(request.request_id)
+    publisher = ReplyPublisher(redis, "w1")
+    publisher.hold(request.request_id, 7, ("requests:m", "1-1"))
+    async with reading(router), running(publisher):
+        publisher.started(request)
+        note = await asyncio.wait_for(queue.get(), 5)
+        assert not await redis.exists(keys.streamed_key(request.request_id))
+        publisher.finish(request, GenerationChunk(done=True, finish_reason="stop"), None)
+        answer = await asyncio.wait_for(queue.get(), 5)
+    assert (note.seq, note.chunks, note.worker_id, note.lease, note.stream, note.entry_id) == (
+        0, [], "w1", 7, "requests:m", "1-1")
+    assert (answer.seq, answer.chunks[0].finish_reason, answer.stream) == (0, "stop", "requests:m")
+    await redis.delete(keys.reply_stream(gateway))
+    await redis.aclose()
+
+
 async def test_a_malformed_envelope_in_a_batch_does_not_lose_the_others(redis_url: str) -> None:
     redis = aioredis.Redis.from_url(redis_url)
     gateway = uuid.uuid4().hex

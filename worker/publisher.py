@@ -137,16 +137,27 @@ class ReplyPublisher:
         self._entries.pop(request_id, None)
         self._dropped.discard(request_id)
 
+    def started(self, request: RequestEnvelope) -> None:
+        """Tell the request's gateway now that this worker runs it, in an envelope of no chunks
+        (which takes no `seq`): a non-streaming generation says nothing else until its answer, and
+        its gateway needs the worker and the entry to hand it over at once if the worker dies."""
+        if request.request_id not in self._dropped:
+            self._outbox(request)
+            self._wake.set()
+
     def publish(self, request: RequestEnvelope, chunk: GenerationChunk) -> None:
         if request.request_id in self._dropped:
             return
+        self._outbox(request).chunks.append(chunk)
+        self._wake.set()
+
+    def _outbox(self, request: RequestEnvelope) -> _Outbox:
         outbox = self._outboxes.get(request.request_id)
         if outbox is None:
             outbox = self._outboxes[request.request_id] = _Outbox(request.reply_to, request.request_id,
                                                                   request.batch_replies,
                                                                   lease=self._leases.get(request.request_id, 0))
-        outbox.chunks.append(chunk)
-        self._wake.set()
+        return outbox
 
     def finish(self, request: RequestEnvelope, terminal: GenerationChunk,
                ack: tuple[str, ...] | None) -> asyncio.Future:
@@ -203,6 +214,8 @@ class ReplyPublisher:
                 if outbox.batch:
                     batches[outbox.reply_to] = entry
             entry.add(data, outbox.request_id)
+            if not outbox.chunks:  # only `started`: no output, and no seq taken
+                continue
             if seq == 0 and outbox.ack is None:
                 first_outputs.append(outbox.request_id)
             if outbox.flushed is not None:

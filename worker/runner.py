@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import msgspec
 from redis.exceptions import RedisError
 
-from shared import keys, tracing
+from shared import keys, takeover, tracing
 from shared.codec import MAX_ENVELOPE_BYTES, decode
 from shared.envelopes import Candidate, Continuation, GenerationChunk, RequestEnvelope, Usage
 from shared.errors import EngineError, EnvelopeError, FleetError, InvalidRequest, ServiceUnavailable, WorkerLost
@@ -86,6 +86,7 @@ class Runner:
         self.on_engine_failure = on_engine_failure  # the engine raised: the worker checks whether it died
         self.running: dict[str, asyncio.Task] = {}
         self._requests: dict[str, RequestEnvelope] = {}  # of the running requests
+        self._entries: dict[str, tuple[str, str]] = {}  # of the running requests: (stream, entry id)
         self.cancel_requested: dict[str, str] = {}  # request id -> cause
         self.completed = 0  # requests answered since the worker started
         self.on_finished: Callable[[], None] = lambda: None  # a slot is free: the consumer may claim
@@ -106,6 +107,7 @@ class Runner:
         task = asyncio.create_task(self._run(stream, entry_id, request, reclaimed), name=request.request_id)
         self.running[request.request_id] = task
         self._requests[request.request_id] = request
+        self._entries[request.request_id] = stream, entry_id
         task.add_done_callback(lambda _t, rid=request.request_id: self._finished(rid))
 
     def spawn(self, job) -> None:
@@ -117,6 +119,7 @@ class Runner:
     def _finished(self, request_id: str) -> None:
         self.running.pop(request_id, None)
         self._requests.pop(request_id, None)
+        self._entries.pop(request_id, None)
         self.leases.forget(request_id)
         self.publisher.release(request_id)
         self.cancel_requested.pop(request_id, None)
@@ -339,6 +342,7 @@ class Runner:
         deadline = self._deadline_alarm(request)
         try:
             if not request.stream:
+                self.publisher.started(request)
                 return await collect_candidates(chunks, request.choice_count)
             async for chunk in chunks:
                 if chunk.done:
@@ -403,8 +407,9 @@ class Runner:
         over without a client noticing (greedy or seeded streams, which it replays for their
         gateway to join; sampled plain-text streams, which it continues from what their gateway
         relayed, told so by a last `handed_over` chunk; non-streaming requests, which sent
-        nothing), and stop them here. Their entries stay pending: the others reclaim them
-        (`reclaim_requests`), as a dead worker's."""
+        nothing), and stop them here. Their entries stay pending, rung on the model's takeover
+        doorbell for a worker with room to claim at once (`shared.takeover`); else the others'
+        sweeps reclaim them (`reclaim_requests`), as a dead worker's."""
         handed = [rid for rid, request in self._requests.items() if isinstance(self.adapter, GenerationAdapter)
                   and (request.replays_exactly or request.continues or not request.stream)]
         if not handed:
@@ -421,8 +426,12 @@ class Runner:
         try:  # its own only: a gateway that saw the notice may have taken one back for another worker
             await asyncio.gather(*(self._release_lease(keys=[keys.lease_key(request_id)], args=[self.worker_id])
                                    for request_id in handed))
-        except RedisError as exc:  # the leases lapse on their own (LEASE_TTL_S), unrenewed
-            log.warning("releasing %d leases failed: %s", len(handed), exc)
+            # rung for a worker with room to claim at once, not at its next sweep (a stream to be
+            # continued is rung by its gateway, once it has saved what to continue from)
+            await takeover.ring(self.batched, self.model, [self._entries[rid] for rid in handed if rid in self._entries
+                                                           and not self._requests[rid].continues])
+        except RedisError as exc:  # the leases lapse on their own (LEASE_TTL_S), unrenewed; the sweeps find them
+            log.warning("handing over %d requests failed: %s", len(handed), exc)
         metrics.HANDED_OVER.labels(self.model).inc(len(handed))
         log.info("drain deadline: handing %d requests to other workers", len(handed))
         for request_id in handed:

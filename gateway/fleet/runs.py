@@ -36,7 +36,7 @@ from gateway.fleet.replay import Diverged, Replay, Sent
 from gateway.fleet.responses import ResponseStore
 from gateway.fleet.sessions import SessionStore
 from gateway.settings import GatewaySettings
-from shared import affinity, fair_queue, keys, redis_pool
+from shared import affinity, fair_queue, keys, redis_pool, takeover
 from shared.codec import encode
 from shared.envelopes import (
     Candidate,
@@ -151,7 +151,8 @@ class Run:
                     self.close(reason="lost_chunks")
                     raise ServiceUnavailable("Part of the response was lost in transit (the queue restarted); "
                                              "retry the request.")
-                self._next_seq += 1
+                if envelope.chunks:  # none: its worker's note that it has started it
+                    self._next_seq += 1
             for chunk in envelope.chunks:
                 if chunk.handed_over:  # its draining worker gave it up: another continues it
                     self._worker_gone = True
@@ -234,7 +235,14 @@ class Run:
         if time.time() >= deadline:
             self.close(reason="deadline")
             raise ServiceUnavailable("The request timed out before the model answered.", code="request_timeout")
-        if self.worker_id and (self._worker_gone or not self._worker_alive()):
+        if self.worker_id and not self._next_seq:
+            # Nothing relayed yet (a non-streaming request, or a stream before its first chunk): any
+            # worker can run it anew. One found gone has it handed to another at once; otherwise
+            # it waits, as a queued request does, for its lease to lapse and a worker to reclaim it.
+            if not self._lost_at and self._found_gone() and self._ready_takeover is not None:
+                self._lost_at = time.monotonic()
+                self._ready_takeover(self, None)
+        elif self.worker_id and (self._worker_gone or not self._worker_alive()):
             if self._sent is not None and self._awaiting_takeover():
                 return
             self.close(reason="worker_lost")
@@ -268,12 +276,19 @@ class Run:
         moment (lost with a Redis failover or restart, until its next beat writes it again). A
         worker silent for SUSPECT_AFTER_S has its presence channel looked at: one with nobody left
         there is dead, heartbeat or not (gateway/fleet/registry.py)."""
-        silent = time.monotonic() - self._heard_at
-        if silent >= SUSPECT_AFTER_S:
-            if self._registry.found_gone(self.worker_id):
-                return False
-            self._registry.suspect(self.worker_id)
-        return self._registry.is_live(self.worker_id) or silent < keys.HEARTBEAT_TTL_S
+        if self._found_gone():
+            return False
+        return self._registry.is_live(self.worker_id) or time.monotonic() - self._heard_at < keys.HEARTBEAT_TTL_S
+
+    def _found_gone(self) -> bool:
+        """Whether its worker, silent for SUSPECT_AFTER_S, was found gone by its presence channel
+        (asked for, if not yet)."""
+        if time.monotonic() - self._heard_at < SUSPECT_AFTER_S:
+            return False
+        if self._registry.found_gone(self.worker_id):
+            return True
+        self._registry.suspect(self.worker_id)
+        return False
 
     def _unclaimed_past_queue_deadline(self) -> bool:
         """Nothing came back by the queue deadline and no worker of the model is alive (checked at
@@ -461,10 +476,7 @@ class Fleet:
                                           ex=keys.CONTINUATION_TTL_S)] if state is not None else []
                 await asyncio.gather(*saved, self._release_lease(keys=[keys.lease_key(request_id)], args=[worker_id]))
                 if entry is not None:
-                    doorbell = keys.takeover_doorbell(model)
-                    await (self.batched.pipeline(transaction=False).rpush(doorbell, " ".join(entry))
-                           .ltrim(doorbell, -keys.TAKEOVER_DOORBELL_MAX, -1)
-                           .expire(doorbell, keys.TAKEOVER_DOORBELL_TTL_S).execute())
+                    await takeover.ring(self.batched, model, [entry])
             except (RedisError, OSError) as exc:  # the workers' sweep takes it over once its lease lapses
                 log.warning("request %s: could not ready its takeover: %s", request_id, exc)
 

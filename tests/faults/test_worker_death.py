@@ -99,6 +99,37 @@ def test_non_streaming_request_is_rerun_after_a_mid_generation_death(redis_url, 
 
 
 @pytest.mark.cluster
+def test_a_killed_workers_non_streaming_request_is_handed_to_another_at_once(redis_url, gateway):
+    """A non-streaming generation says nothing until its answer, but its worker tells the gateway
+    at once that it has started it: killed, the worker is found gone by its presence channel, and
+    the request is rung for the other worker, whose sweep would not reclaim it for a minute."""
+    model = f"doomed-{uuid.uuid4().hex[:6]}"
+    doomed = start_worker(redis_url, model, "--scripted-tokens-per-second", "10")
+    rescuer = None
+    try:
+        wait_until_served(gateway, model)
+        pending = _post_in_background(f"{gateway.url}/v1/chat/completions", _body(model, False, 200))  # 20 s
+        wait_for(lambda: metric_value(doomed.url, "llmfleet_worker_in_flight") == 1, 10, "the worker to claim it")
+        rescuer = start_worker(redis_url, model, "--claim-idle", "60")
+        wait_for(lambda: metric_value(gateway.url, "llmfleet_gateway_live_workers", model=model) == 2, 10,
+                 "the second worker to be live")
+        time.sleep(max(0.0, PRESENCE_TRUST_S + 0.5 - (time.time() - metric_value(
+            gateway.url, "process_start_time_seconds"))))
+        doomed.kill()
+        killed_at = time.monotonic()
+        pending["thread"].join(30)
+        print(f"answered {time.monotonic() - killed_at:.2f}s after the kill")
+        assert pending.get("status") == 200, pending.get("body")
+        choice = json.loads(pending["body"])["choices"][0]
+        assert (choice["finish_reason"], choice["message"]["content"]) == ("length", " ".join(["tick", "tock"] * 100))
+        assert metric_value(gateway.url, "llmfleet_gateway_workers_found_gone_total", model=model) == 1
+        assert metric_value(rescuer.url, "llmfleet_worker_reclaimed_total") == 1
+    finally:
+        if rescuer is not None:
+            rescuer.stop()
+        doomed.kill()
+
+
 def test_worker_killed_mid_stream_ends_the_stream_with_an_error(redis_url, redis_client, gateway):
     model = f"doomed-{uuid.uuid4().hex[:6]}"
     doomed = start_worker(redis_url, model, "--scripted-tokens-per-second", "10")
@@ -316,9 +347,10 @@ def test_a_stopping_worker_hands_its_long_runs_over_at_its_drain_deadline(redis_
                                                                          temperature):
     """SIGTERM to a worker running a stream and a non-streaming request, each 10 s long, with
     --drain-timeout 1: at its deadline it hands both to the other worker and exits, instead of
-    holding the stop for 10 s. The stream goes on: a greedy one joined where it stood, a sampled
-    one continued from there (its worker's last chunk tells its gateway to save what was sent);
-    the other request is answered whole."""
+    holding the stop for 10 s. Both are rung on the takeover doorbell (the other worker's sweep
+    would not reclaim them for a minute). The stream goes on: a greedy one joined where it stood,
+    a sampled one continued from there (its worker's last chunk tells its gateway to save what
+    was sent, and the gateway rings it); the other request is answered whole."""
     model = f"draining-{uuid.uuid4().hex[:6]}"
     stopping = start_worker(redis_url, model, "--scripted-tokens-per-second", "20", "--drain-timeout", "1")
     rescuer = None
@@ -330,7 +362,7 @@ def test_a_stopping_worker_hands_its_long_runs_over_at_its_drain_deadline(redis_
             lines = response.iter_lines()
             seen = [next(lines) for _ in range(6)]
             wait_for(lambda: metric_value(stopping.url, "llmfleet_worker_in_flight") == 2, 10, "both to run")
-            rescuer = start_worker(redis_url, model, "--claim-idle", "1")
+            rescuer = start_worker(redis_url, model, "--claim-idle", "60")
             signalled = time.monotonic()
             assert stopping.stop(timeout=20) == 0
             stopped_after = time.monotonic() - signalled
@@ -340,7 +372,7 @@ def test_a_stopping_worker_hands_its_long_runs_over_at_its_drain_deadline(redis_
         assert '"error"' not in text, text[-500:]
         assert _stream_text(text) == " ".join(["tick", "tock"] * 100)
         whole["thread"].join(30)
-        assert whole["status"] == 200, whole["body"]
+        assert whole.get("status") == 200, whole.get("body")
         assert json.loads(whole["body"])["choices"][0]["message"]["content"] == " ".join(["tick", "tock"] * 100)
         assert metric_value(rescuer.url, "llmfleet_worker_migrations_total") == 1  # the stream; the other reruns
         assert metric_value(gateway.url, "llmfleet_gateway_migrations_total", model=model, cause="drain") == 1
