@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -45,7 +46,8 @@ from vllm.entrypoints.serve.exception_handling.handlers.validation import clean_
 from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
 from vllm.entrypoints.serve.tokenize.serving import ServingTokenization
 from vllm.entrypoints.serve.utils.fingerprint import get_system_fingerprint
-from vllm.exceptions import VLLMError
+from vllm.exceptions import GenerationError, VLLMError
+from vllm.outputs import RequestOutput
 from vllm.renderers.online_renderer import OnlineRenderer
 from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -88,6 +90,8 @@ class _ClockedEngine:
                     clock.at = time.time()
                 yield output
 
+
+log = logging.getLogger(__name__)
 
 _FINISH_REASONS = {"abort": "cancelled"}  # vLLM's word for a cancelled request; the rest pass through
 _TOKENIZE = pydantic.TypeAdapter(TokenizeRequest)
@@ -147,12 +151,12 @@ class VLLMAdapter(AsyncLLMLifetime, GenerationAdapter, TokenizerAdapter):
             enable_auto_tools=self.enable_auto_tool_choice, tool_parser=self.tool_call_parser,
             reasoning_parser=self.reasoning_parser,
         )
-        self.chat = OpenAIServingChat(
+        self.chat = _Chat(
             engine, models, "assistant", online_renderer=renderer, request_logger=None, **template,
             enable_auto_tools=self.enable_auto_tool_choice, tool_parser=self.tool_call_parser,
             reasoning_parser=self.reasoning_parser or "", enable_prompt_tokens_details=self.prompt_tokens_details,
         )
-        self.completion = OpenAIServingCompletion(engine, models, online_renderer=renderer, request_logger=None,
+        self.completion = _Completion(engine, models, online_renderer=renderer, request_logger=None,
                                                   enable_prompt_tokens_details=self.prompt_tokens_details)
         self.tokenization = ServingTokenization(models, renderer, request_logger=None, **template)
 
@@ -182,6 +186,9 @@ class VLLMAdapter(AsyncLLMLifetime, GenerationAdapter, TokenizerAdapter):
             return
         if isinstance(result, ErrorResponse):
             yield _error_chunk(result)
+        elif isinstance(result, _Plain):
+            async for chunk in result.chunks(self.system_fingerprint):
+                yield chunk
         elif isinstance(result, AsyncIterator):
             async for chunk in _StreamDecoder(request.kind, self.system_fingerprint).decode(result):
                 yield chunk
@@ -254,6 +261,90 @@ def _error_chunk(response: ErrorResponse, in_stream: bool = False) -> Generation
     info = ErrorInfo(code="invalid_request" if error.code < 500 else "engine_error", message=error.message,
                      status=error.code, param=error.param, type=error.type, in_stream=in_stream)
     return GenerationChunk(done=True, finish_reason="error", error=info)
+
+
+class _Chat(OpenAIServingChat):
+    """`vllm serve`'s chat handler, whose plain streams come out as the fleet's chunks (`_Plain`)."""
+
+    def chat_completion_stream_generator(self, request: ChatCompletionRequest, result_generator, *args, **kwargs):
+        if (self.parser_cls is not None or request.logprobs or request.echo or request.return_token_ids
+                or request.return_prompt_text or request.prompt_logprobs is not None or request.use_beam_search):
+            return super().chat_completion_stream_generator(request, result_generator, *args, **kwargs)
+        return _Plain(self, result_generator, request.request_id, cache_creation=True)
+
+
+class _Completion(OpenAIServingCompletion):
+    """`vllm serve`'s completion handler, whose plain streams come out as the fleet's chunks (`_Plain`)."""
+
+    def completion_stream_generator(self, request: CompletionRequest, engine_inputs, result_generator, *args,
+                                    num_prompts: int, **kwargs):
+        if (num_prompts != 1 or request.logprobs is not None or request.echo or request.return_token_ids
+                or request.prompt_logprobs is not None or request.use_beam_search):
+            return super().completion_stream_generator(request, engine_inputs, result_generator, *args,
+                                                       num_prompts=num_prompts, **kwargs)
+        return _Plain(self, (output async for _prompt, output in result_generator), request.request_id)
+
+
+class _Plain:
+    """A plain stream (text only: no tool or reasoning parser, logprobs, echo or token ids; one
+    prompt) as the fleet's chunks, made from the engine's outputs as vLLM's stream handler makes
+    its OpenAI chunks (the same deltas, finish and stop reasons, and usage), without writing them
+    as JSON for `_StreamDecoder` to read back: the JSON and its parse cost ~20 µs per delta."""
+
+    def __init__(self, serving, outputs: AsyncIterator[RequestOutput], request_id: str, cache_creation: bool = False):
+        self.serving = serving
+        self.outputs = outputs
+        self.request_id = request_id
+        self.cache_creation = cache_creation  # chat's usage reports the prefix cache's new blocks too
+
+    async def chunks(self, system_fingerprint: str | None) -> AsyncIterator[GenerationChunk]:
+        tokens: dict[int, int] = {}  # completion tokens per choice so far
+        finished: set[int] = set()
+        prompt_tokens, cached, created, finish = 0, None, None, None
+        first_output, prompt_sent, first_sent = True, False, False
+        try:
+            async with contextlib.aclosing(self.outputs) as outputs:
+                async for res in outputs:
+                    if res.prompt_token_ids is not None:
+                        prompt_tokens = len(res.prompt_token_ids) + len(res.encoder_prompt_token_ids or ())
+                    if first_output:
+                        cached, created = res.num_cached_tokens, res.num_cache_creation_tokens
+                        first_output = False
+                    for output in res.outputs:
+                        index = output.index
+                        if index in finished:
+                            continue
+                        self.serving._raise_if_error(output.finish_reason, self.request_id)
+                        count = len(output.token_ids)
+                        if not output.text and not count and not tokens.get(index):
+                            continue  # chunked prefill: nothing yet
+                        tokens[index] = tokens.get(index, 0) + count
+                        reason = output.finish_reason
+                        if reason is not None:
+                            finished.add(index)
+                            finish = _FINISH_REASONS.get(reason, reason)
+                        yield GenerationChunk(
+                            choice_index=index, text=output.text, finish_reason=finish if reason else None,
+                            stop_reason=output.stop_reason, token_count=count,
+                            first_token=count > 0 and not first_sent,
+                            system_fingerprint=system_fingerprint if reason else None,
+                            # the gateway's running usage needs the prompt's size
+                            usage=None if prompt_sent else Usage(prompt_tokens=prompt_tokens))
+                        prompt_sent, first_sent = True, first_sent or count > 0
+        except GenerationError as exc:
+            yield _error_chunk(ErrorResponse.model_validate_json(
+                self.serving._convert_generation_error_to_streaming_response(exc)), in_stream=True)
+            return
+        except Exception as exc:  # noqa: BLE001 - answered as vLLM's stream handler answers it
+            log.exception("request %s: its stream failed", self.request_id)
+            yield _error_chunk(ErrorResponse.model_validate_json(self.serving.create_streaming_error_response(exc)),
+                               in_stream=True)
+            return
+        details = self.serving.enable_prompt_tokens_details
+        yield GenerationChunk(done=True, finish_reason=finish or "stop", system_fingerprint=system_fingerprint,
+                              usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=sum(tokens.values()),
+                                          cached_tokens=cached if details else None,
+                                          created_cache_tokens=created if details and self.cache_creation else None))
 
 
 class _StreamDecoder:
