@@ -139,8 +139,9 @@ class ReplyPublisher:
 
     def started(self, request: RequestEnvelope) -> None:
         """Tell the request's gateway now that this worker runs it, in an envelope of no chunks
-        (which takes no `seq`): a non-streaming generation says nothing else until its answer, and
-        its gateway needs the worker and the entry to hand it over at once if the worker dies."""
+        (which takes no `seq`): a generation that has sent nothing yet (a non-streaming one, or a
+        stream before its first token) is otherwise silent, and its gateway needs the worker and
+        the entry to hand it over at once if the worker dies."""
         if request.request_id not in self._dropped:
             self._outbox(request)
             self._wake.set()

@@ -65,6 +65,10 @@ MAX_ANSWER_BYTES = MAX_ENVELOPE_BYTES - 64 * 1024  # an encoder's vectors, with 
 CONTINUATION_WAIT_S = 10.0
 CONTINUATION_POLL_S = 0.1
 HAND_OVER_NOTICE_S = 2.0  # a draining worker's wait for its hand-over notices to reach Redis
+# A generation that has sent nothing this long (a non-streaming one, or a stream in a long prefill
+# or behind a full engine) tells its gateway it runs here (`ReplyPublisher.started`), so that the
+# gateway can hand it to another worker at once if this one dies. Sooner, most have answered.
+STARTED_NOTE_AFTER_S = 0.25
 
 
 class Runner:
@@ -340,13 +344,14 @@ class Runner:
                                      for index, part in parts.items()}, state)
         chunks = self._observe(adapter, request, generation)
         deadline = self._deadline_alarm(request)
+        note = asyncio.get_running_loop().call_later(STARTED_NOTE_AFTER_S, self.publisher.started, request)
         try:
             if not request.stream:
-                self.publisher.started(request)
                 return await collect_candidates(chunks, request.choice_count)
             async for chunk in chunks:
                 if chunk.done:
                     return chunk
+                note.cancel()
                 self.publisher.publish(request, chunk)
             raise EngineError("the engine ended the generation without a terminal chunk")
         except FleetError as exc:
@@ -360,6 +365,7 @@ class Runner:
             self.on_engine_failure()
             return _error_terminal(EngineError(f"generation failed: {exc}"))
         finally:
+            note.cancel()
             if deadline is not None:
                 deadline.cancel()
             await chunks.aclose()

@@ -101,6 +101,7 @@ class Run:
         self.placement: Placement | None = None  # where it was queued, once it surely was
         self._queue_alarm: asyncio.TimerHandle | None = None
         self._next_seq = 0
+        self._relayed = False  # a worker has sent some of its output (not only that it started it)
         self._lease = 0  # the newest lease of the request heard from (`ChunkEnvelope.lease`)
         self._heard_at = 0.0  # when (monotonic) its worker last sent something
         # A stream a takeover replays or continues: what it sent, to join the replay to, or to continue from.
@@ -153,6 +154,7 @@ class Run:
                                              "retry the request.")
                 if envelope.chunks:  # none: its worker's note that it has started it
                     self._next_seq += 1
+                    self._relayed = True
             for chunk in envelope.chunks:
                 if chunk.handed_over:  # its draining worker gave it up: another continues it
                     self._worker_gone = True
@@ -235,7 +237,7 @@ class Run:
         if time.time() >= deadline:
             self.close(reason="deadline")
             raise ServiceUnavailable("The request timed out before the model answered.", code="request_timeout")
-        if self.worker_id and not self._next_seq:
+        if self.worker_id and not self._relayed:
             # Nothing relayed yet (a non-streaming request, or a stream before its first chunk): any
             # worker can run it anew. One found gone has it handed to another at once; otherwise
             # it waits, as a queued request does, for its lease to lapse and a worker to reclaim it.

@@ -254,14 +254,17 @@ def test_worker_cut_off_from_redis_is_taken_over_and_never_answers_twice():
 
         # Once back, the victim wrote nothing more for the requests it lost. At most the write that was on
         # the wire when the cable went can land (TCP delivers it late; here it usually fails and is not
-        # retried), and the gateway dropped whatever landed while it followed the request.
+        # retried), and the gateway dropped whatever output landed while it followed the request. (The
+        # victim's note that it had started a request, `ReplyPublisher.started`, holds no output: one
+        # that came before the takeover was followed, a later one dropped.)
         wait_for(lambda: metric_value(victim.url, "llmfleet_worker_cancels_total", cause="lease_lost") == 2, 20,
                  "the victim to report both leases lost")
         replies = _replies_by_worker(client)
         from_victim = [envelope for (_rid, worker), envelopes in replies.items() if worker == victim_id
                        for envelope in envelopes]
-        assert not [envelope for envelope in from_victim if any(chunk.done for chunk in envelope.chunks)]
-        assert [envelope.seq for envelope in from_victim] in ([], [0]), from_victim
-        assert metric_value(gateway.url, "llmfleet_gateway_stale_replies_total") == len(from_victim)
+        output = [envelope for envelope in from_victim if envelope.chunks]
+        assert not [envelope for envelope in output if any(chunk.done for chunk in envelope.chunks)]
+        assert [envelope.seq for envelope in output] in ([], [0]), from_victim
+        assert len(output) <= metric_value(gateway.url, "llmfleet_gateway_stale_replies_total") <= len(from_victim)
         assert metric_value(rescuer.url, "llmfleet_worker_reclaimed_total") == 2
         wait_for(lambda: not leftover_keys(client), 10, "the requests to be settled")

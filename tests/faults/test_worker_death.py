@@ -99,16 +99,19 @@ def test_non_streaming_request_is_rerun_after_a_mid_generation_death(redis_url, 
 
 
 @pytest.mark.cluster
-def test_a_killed_workers_non_streaming_request_is_handed_to_another_at_once(redis_url, gateway):
-    """A non-streaming generation says nothing until its answer, but its worker tells the gateway
-    at once that it has started it: killed, the worker is found gone by its presence channel, and
-    the request is rung for the other worker, whose sweep would not reclaim it for a minute."""
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_killed_workers_silent_request_is_handed_to_another_at_once(redis_url, gateway, stream):
+    """A generation that has sent nothing yet (a non-streaming one, 20 s long; a stream whose first
+    token would take a minute) has its worker tell the gateway, after a quarter of a second, that
+    it runs it: killed, the worker is found gone by its presence channel, and the request is rung
+    for the other worker, whose sweep would not reclaim it for a minute."""
     model = f"doomed-{uuid.uuid4().hex[:6]}"
-    doomed = start_worker(redis_url, model, "--scripted-tokens-per-second", "10")
+    slow = ("--scripted-first-token-delay", "60") if stream else ("--scripted-tokens-per-second", "10")
+    doomed = start_worker(redis_url, model, *slow)
     rescuer = None
     try:
         wait_until_served(gateway, model)
-        pending = _post_in_background(f"{gateway.url}/v1/chat/completions", _body(model, False, 200))  # 20 s
+        pending = _post_in_background(f"{gateway.url}/v1/chat/completions", _body(model, stream, 200))
         wait_for(lambda: metric_value(doomed.url, "llmfleet_worker_in_flight") == 1, 10, "the worker to claim it")
         rescuer = start_worker(redis_url, model, "--claim-idle", "60")
         wait_for(lambda: metric_value(gateway.url, "llmfleet_gateway_live_workers", model=model) == 2, 10,
@@ -120,8 +123,10 @@ def test_a_killed_workers_non_streaming_request_is_handed_to_another_at_once(red
         pending["thread"].join(30)
         print(f"answered {time.monotonic() - killed_at:.2f}s after the kill")
         assert pending.get("status") == 200, pending.get("body")
-        choice = json.loads(pending["body"])["choices"][0]
-        assert (choice["finish_reason"], choice["message"]["content"]) == ("length", " ".join(["tick", "tock"] * 100))
+        text = _stream_text(pending["body"]) if stream else json.loads(pending["body"])["choices"][0]["message"][
+            "content"]
+        assert text == " ".join(["tick", "tock"] * 100)
+        assert '"error"' not in pending["body"]
         assert metric_value(gateway.url, "llmfleet_gateway_workers_found_gone_total", model=model) == 1
         assert metric_value(rescuer.url, "llmfleet_worker_reclaimed_total") == 1
     finally:
