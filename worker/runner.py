@@ -351,7 +351,7 @@ class Runner:
             async for chunk in chunks:
                 if chunk.done:
                     return chunk
-                note.cancel()
+                note.cancel()  # its first output says it runs here (a cancelled timer's cancel is a no-op)
                 self.publisher.publish(request, chunk)
             raise EngineError("the engine ended the generation without a terminal chunk")
         except FleetError as exc:

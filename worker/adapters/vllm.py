@@ -12,9 +12,9 @@ the fleet's `GenerationChunk`s: text, reasoning and tool-call deltas, logprobs, 
 reasons, usage. The gateway turns them back into the same JSON. A plain stream (text only: no
 parser, logprobs, echo or token ids) skips that round trip: the handler still validates, renders
 and schedules it, but its deltas are made from the engine's outputs as the handler would make
-them (`_Plain`; tests/test_vllm_plain_streams.py compares the two on one engine). The handler is always asked for
-continuous usage, which gives the token count of every delta; what the client sees follows its
-own `stream_options`, applied by the gateway.
+them (`_Plain`; tests/test_vllm_plain_streams.py compares the two on one engine). The handler
+is always asked for continuous usage, which gives the token count of every delta; what the
+client sees follows its own `stream_options`, applied by the gateway.
 
 Time to first token: a whole (non-streaming) response comes as one chunk at its end, so the
 engine the handlers see (`_ClockedEngine`) notes when its first output carrying a token came, and
