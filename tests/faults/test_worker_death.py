@@ -98,7 +98,6 @@ def test_non_streaming_request_is_rerun_after_a_mid_generation_death(redis_url, 
         doomed.kill()
 
 
-@pytest.mark.cluster
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_killed_workers_silent_request_is_handed_to_another_at_once(redis_url, gateway, stream):
     """A generation that has sent nothing yet (a non-streaming one, 20 s long; a stream whose first
@@ -135,6 +134,7 @@ def test_a_killed_workers_silent_request_is_handed_to_another_at_once(redis_url,
         doomed.kill()
 
 
+@pytest.mark.cluster
 def test_worker_killed_mid_stream_ends_the_stream_with_an_error(redis_url, redis_client, gateway):
     model = f"doomed-{uuid.uuid4().hex[:6]}"
     doomed = start_worker(redis_url, model, "--scripted-tokens-per-second", "10")
