@@ -159,12 +159,6 @@ TAKEOVER_DOORBELL_MAX = 10_000
 DEAD_LETTER_MAXLEN = 10_000
 DEAD_LETTER_KEEP_BYTES = 64 * 1024  # of a poison envelope, kept for inspection
 CANCEL_CHANNEL = f"{PREFIX}:cancel"
-
-
-def presence_channel(worker_id: str) -> str:
-    """A channel its worker subscribes to while its process lives (WorkerInfo.presence); nothing is
-    published there: a dead process's connection, and its subscription, are gone at once."""
-    return f"{PREFIX}:presence:{worker_id}"
 # A response's events kept for a client that reconnects (gateway/serve/resumable.py): past this many,
 # the oldest go, and a resume from before them gets a 404.
 EVENT_LOG_MAXLEN = 20_000
@@ -265,9 +259,15 @@ def continuation_key(request_id: str) -> str:
 
 
 def takeover_doorbell(model: str) -> str:
-    """The entries ("<stream> <entry id>") of requests whose worker a gateway saw gone, for a worker
-    of the model with room to claim at once, ahead of new work (worker/consumer.py)."""
+    """The entries ("<stream> <entry id>") of requests whose worker a gateway saw gone or a draining
+    worker gave up, for a worker of the model with room to claim at once (shared/takeover.py)."""
     return f"{PREFIX}:takeover:{_tag(model)}:doorbell"
+
+
+def presence_channel(worker_id: str) -> str:
+    """A channel its worker subscribes to while its process lives (WorkerInfo.presence); nothing is
+    published there: a dead process's connection, and its subscription, are gone at once."""
+    return f"{PREFIX}:presence:{worker_id}"
 
 
 def cancel_group(tenant: str, *, cancel_id: str | None = None, session_id: str | None = None) -> str:

@@ -116,6 +116,10 @@ class ReplyPublisher:
         self._leases[request_id] = lease
         self._entries[request_id] = entry
 
+    def entry(self, request_id: str) -> tuple[str, str]:
+        """Where a held request's entry is pending (stream, entry id; empty if not told)."""
+        return self._entries.get(request_id, ("", ""))
+
     def drop(self, request_id: str) -> None:
         """Publish nothing more for a request whose lease this worker lost (another worker may own
         it now): its queued chunks are discarded, and its later chunks, ending and acknowledgement

@@ -90,7 +90,6 @@ class Runner:
         self.on_engine_failure = on_engine_failure  # the engine raised: the worker checks whether it died
         self.running: dict[str, asyncio.Task] = {}
         self._requests: dict[str, RequestEnvelope] = {}  # of the running requests
-        self._entries: dict[str, tuple[str, str]] = {}  # of the running requests: (stream, entry id)
         self.cancel_requested: dict[str, str] = {}  # request id -> cause
         self.completed = 0  # requests answered since the worker started
         self.on_finished: Callable[[], None] = lambda: None  # a slot is free: the consumer may claim
@@ -111,7 +110,6 @@ class Runner:
         task = asyncio.create_task(self._run(stream, entry_id, request, reclaimed), name=request.request_id)
         self.running[request.request_id] = task
         self._requests[request.request_id] = request
-        self._entries[request.request_id] = stream, entry_id
         task.add_done_callback(lambda _t, rid=request.request_id: self._finished(rid))
 
     def spawn(self, job) -> None:
@@ -123,7 +121,6 @@ class Runner:
     def _finished(self, request_id: str) -> None:
         self.running.pop(request_id, None)
         self._requests.pop(request_id, None)
-        self._entries.pop(request_id, None)
         self.leases.forget(request_id)
         self.publisher.release(request_id)
         self.cancel_requested.pop(request_id, None)
@@ -434,8 +431,8 @@ class Runner:
                                    for request_id in handed))
             # rung for a worker with room to claim at once, not at its next sweep (a stream to be
             # continued is rung by its gateway, once it has saved what to continue from)
-            await takeover.ring(self.batched, self.model, [self._entries[rid] for rid in handed if rid in self._entries
-                                                           and not self._requests[rid].continues])
+            await takeover.ring(self.batched, self.model, [self.publisher.entry(rid) for rid in handed
+                                                           if not self._requests[rid].continues])
         except RedisError as exc:  # the leases lapse on their own (LEASE_TTL_S), unrenewed; the sweeps find them
             log.warning("handing over %d requests failed: %s", len(handed), exc)
         metrics.HANDED_OVER.labels(self.model).inc(len(handed))
