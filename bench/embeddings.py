@@ -35,8 +35,11 @@ import time
 from pathlib import Path
 
 import httpx
+import orjson
+import uvloop
 
 from bench.common import ENGINE_ARGS, ENGINE_ENV, RESULTS, cpu_seconds, percentile, plot_bars, progress, save
+from bench.loadgen import Target
 from tests.procs import (
     free_port,
     spawn,
@@ -67,14 +70,29 @@ def texts(count: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(32)) for _ in range(count)]
 
 
-async def measure(url: str, workload: dict, seed: int) -> dict:
-    """Send the workload's requests from its concurrent clients; inputs/s and latency percentiles."""
+async def measure(url: str, workload: dict, seed: int, use_httpx: bool = False) -> dict:
+    """Send the workload's requests from its concurrent clients; inputs/s and latency percentiles.
+
+    The clients are bench.loadgen's lean HTTP connections (httptools, prebuilt requests): the load
+    generator shares the two cores with the servers, and httpx's own cost per request grows with
+    its concurrent requests (`use_httpx`, kept to show it: docs/benchmarks.md)."""
     bodies = [{"model": MODEL, "input": texts(workload["inputs"], seed * 100_000 + i), "encoding_format": "base64"}
               for i in range(workload["requests"])]
     latencies: list[float] = []
-    pending = iter(bodies)
+    target = Target(url, "/v1/embeddings", bodies[0], timeout=600)
+    pending = iter(bodies if use_httpx else [target.request_for(body) for body in bodies])
 
-    async def client(http: httpx.AsyncClient) -> None:
+    async def lean_client() -> None:
+        connection = None
+        for request in pending:
+            result, connection = await target.send(connection, request)
+            if not result.ok or len(orjson.loads(result.body)["data"]) != workload["inputs"]:
+                raise RuntimeError(f"{url}: {result.error or result.body[:200]!r}")
+            latencies.append(result.latency)
+        if connection is not None:
+            connection.close()
+
+    async def httpx_client(http: httpx.AsyncClient) -> None:
         for body in pending:
             started = time.perf_counter()
             answer = await http.post(f"{url}/v1/embeddings", json=body)
@@ -84,7 +102,8 @@ async def measure(url: str, workload: dict, seed: int) -> dict:
     limits = httpx.Limits(max_connections=workload["concurrency"])
     async with httpx.AsyncClient(timeout=600, limits=limits) as http:
         started = time.perf_counter()
-        await asyncio.gather(*(client(http) for _ in range(workload["concurrency"])))
+        await asyncio.gather(*(httpx_client(http) if use_httpx else lean_client()
+                               for _ in range(workload["concurrency"])))
         took = time.perf_counter() - started
     return {"inputs_per_s": workload["requests"] * workload["inputs"] / took,
             "p50_ms": percentile(latencies, 50) * 1000, "p99_ms": percentile(latencies, 99) * 1000}
@@ -119,7 +138,7 @@ def vllm_servers(model_dir: Path):
             proc.stop(timeout=60)
 
 
-def run_vllm(quick: bool, rounds: int) -> list[dict]:
+def run_vllm(quick: bool, rounds: int, use_httpx: bool = False) -> list[dict]:
     from worker.tiny_model import write_tiny_model
 
     rows = []
@@ -127,7 +146,7 @@ def run_vllm(quick: bool, rounds: int) -> list[dict]:
         sys.stderr.write("starting vllm serve and llmfleet's encoder worker on the tiny model (about a minute)...\n")
         with vllm_servers(write_tiny_model(Path(tmp) / "tiny")) as (urls, gateway_pid):
             for url in urls.values():  # warm both engines up
-                asyncio.run(measure(url, {"inputs": 8, "concurrency": 4, "requests": 8}, 0))
+                uvloop.run(measure(url, {"inputs": 8, "concurrency": 4, "requests": 8}, 0))
             cases = workloads(quick)
             for done, workload in enumerate(cases, 1):
                 runs: dict[str, list[dict]] = {name: [] for name in urls}
@@ -135,7 +154,7 @@ def run_vllm(quick: bool, rounds: int) -> list[dict]:
                 for round_ in range(rounds):  # back to back, alternating: drift hits both alike
                     for name, url in urls.items():
                         before = cpu_seconds(gateway_pid)
-                        runs[name].append(asyncio.run(measure(url, workload, round_)))
+                        runs[name].append(uvloop.run(measure(url, workload, round_, use_httpx)))
                         if name == "llmfleet":
                             gateway_cpu += cpu_seconds(gateway_pid) - before
                 inputs = rounds * workload["requests"] * workload["inputs"]
@@ -167,10 +186,10 @@ def run_scripted(quick: bool, rounds: int) -> dict:
             for gateway in (parted, whole):
                 wait_until_served(gateway, MODEL)
             name = f"{workers} worker{'s' * (workers > 1)}"
-            result[name] = _median([asyncio.run(measure(parted.url, workload, seed)) for seed in range(rounds)])
-            result[f"{name}, one large request"] = _median([asyncio.run(measure(parted.url, large, seed))
+            result[name] = _median([uvloop.run(measure(parted.url, workload, seed)) for seed in range(rounds)])
+            result[f"{name}, one large request"] = _median([uvloop.run(measure(parted.url, large, seed))
                                                             for seed in range(rounds)])
-            result[f"{name}, one large request whole"] = _median([asyncio.run(measure(whole.url, large, seed))
+            result[f"{name}, one large request whole"] = _median([uvloop.run(measure(whole.url, large, seed))
                                                                   for seed in range(rounds)])
         finally:
             for proc in reversed(procs):
@@ -204,9 +223,9 @@ def run_vllm_split(quick: bool, rounds: int) -> dict:
                 procs.append(start_worker(redis.url, model_dir, *ENGINE_ARGS, *POOLING, engine="vllm",
                                           served_name=MODEL, env=ENGINE_ENV, timeout=300))
                 wait_until_served(gateway, MODEL, timeout=60)
-                asyncio.run(measure(gateway.url, {"inputs": 2 * PART_INPUTS, "concurrency": 1, "requests": 1}, 0))
+                uvloop.run(measure(gateway.url, {"inputs": 2 * PART_INPUTS, "concurrency": 1, "requests": 1}, 0))
                 name = f"{workers} worker{'s' * (workers > 1)}"
-                result[name] = _median([asyncio.run(measure(gateway.url, large, seed)) for seed in range(rounds)])
+                result[name] = _median([uvloop.run(measure(gateway.url, large, seed)) for seed in range(rounds)])
                 progress("embeddings (vllm split)", workers, 2)
         finally:
             for proc in reversed(procs):
@@ -269,10 +288,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="a smoke run: fewer workloads and requests")
     parser.add_argument("--rounds", type=int, default=3, help="measurements of each workload (the median is kept)")
     parser.add_argument("--only", default="vllm,scripted", help="the parts to run: vllm, scripted, vllm-split")
+    parser.add_argument("--httpx", action="store_true",
+                        help="the vllm part's clients on httpx instead of the lean load generator (to compare)")
     args = parser.parse_args(argv)
     parts = set(args.only.split(","))
     result = {"measured_at": time.strftime("%Y-%m-%d %H:%M"), "rounds": args.rounds,
-              "vllm": run_vllm(args.quick, args.rounds) if "vllm" in parts else [],
+              "client": "httpx" if args.httpx else "lean",
+              "vllm": run_vllm(args.quick, args.rounds, args.httpx) if "vllm" in parts else [],
               "scripted": run_scripted(args.quick, args.rounds) if "scripted" in parts else None,
               "vllm_split": run_vllm_split(args.quick, args.rounds) if "vllm-split" in parts else None}
     return save("embeddings", result, plot, table)

@@ -6,6 +6,9 @@ gateway does per stream; this client parses HTTP in C (httptools, chunked encodi
 keeps connections alive, sends prebuilt request bytes, and looks into an SSE event only to
 count its content words (the scripted engine's tokens).
 
+A response that is not an event stream (a JSON answer: embeddings, a non-streaming completion) is
+kept whole in `StreamResult.body` for the caller to check.
+
 Three shapes of load:
 - `closed_loop`: `concurrency` clients, each sending its next request when the last ends;
 - `open_loop`: requests started at Poisson times at `rate` per second, whatever is open;
@@ -35,6 +38,7 @@ class StreamResult:
     tokens: int = 0  # content words received (the scripted engine sends one word per token)
     events: int = 0
     error: str = ""
+    body: bytes = b""  # a JSON response's body (not kept for an event stream)
 
 
 class _Connection(asyncio.Protocol):
@@ -49,6 +53,7 @@ class _Connection(asyncio.Protocol):
         self._result = StreamResult(ok=False)
         self._sent = 0.0
         self._finished = False
+        self._sse = True
         self._parser = None
 
     # asyncio.Protocol
@@ -69,8 +74,14 @@ class _Connection(asyncio.Protocol):
     def on_status(self, _status: bytes) -> None:
         self._status = self._parser.get_status_code()
 
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() == b"content-type":
+            self._sse = value.startswith(b"text/event-stream")
+
     def on_body(self, body: bytes) -> None:
         self._buffer += body
+        if not self._sse:
+            return
         while (end := self._buffer.find(b"\n\n")) >= 0:
             event, self._buffer = self._buffer[:end], self._buffer[end + 2:]
             self._event(event)
@@ -78,6 +89,9 @@ class _Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         if self._status != 200:
             self._end(f"HTTP {self._status}: {self._buffer[:200]!r}")
+        elif not self._sse:
+            self._result.body = self._buffer
+            self._end("")
         elif not self._finished:
             self._end("stream ended without [DONE]")
         else:
@@ -120,7 +134,7 @@ class _Connection(asyncio.Protocol):
         loop = asyncio.get_running_loop()
         self._done = loop.create_future()
         self._parser = httptools.HttpResponseParser(self)
-        self._buffer, self._status, self._finished = b"", 0, False
+        self._buffer, self._status, self._finished, self._sse = b"", 0, False, True
         self._result = StreamResult(ok=False)
         self._sent = time.monotonic()
         self.transport.write(request)
@@ -140,28 +154,34 @@ class _Connection(asyncio.Protocol):
 
 
 class Target:
-    """Where the load goes and the request it sends: one POST, prebuilt as bytes."""
+    """Where the load goes and the request it sends: one POST, prebuilt as bytes (`request_for`
+    builds others to the same path, for loads whose requests differ)."""
 
     def __init__(self, url: str, path: str, body: dict, timeout: float = 60.0, headers: dict[str, str] | None = None):
         self.timeout = timeout
         parts = urlsplit(url)
-        self.host, self.port = parts.hostname, parts.port
+        self.host, self.port, self.path = parts.hostname, parts.port, path
+        self.headers = "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
+        self.request = self.request_for(body)
+
+    def request_for(self, body: dict) -> bytes:
         payload = orjson.dumps(body)
-        extra = "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
-        self.request = (f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n{extra}"
-                        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n").encode() + payload
+        return (f"POST {self.path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n{self.headers}"
+                f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n").encode() + payload
 
     async def connect(self, on_first: Callable[[], None] | None = None) -> _Connection:
         loop = asyncio.get_running_loop()
         _transport, connection = await loop.create_connection(lambda: _Connection(on_first), self.host, self.port)
         return connection
 
-    async def send(self, connection: _Connection | None) -> tuple[StreamResult, _Connection | None]:
-        """One request on `connection` (a new one when None or closed); returns a reusable connection."""
+    async def send(self, connection: _Connection | None,
+                   request: bytes | None = None) -> tuple[StreamResult, _Connection | None]:
+        """One request (the target's, or `request`) on `connection` (a new one when None or closed);
+        returns a reusable connection."""
         try:
             if connection is None or connection.transport is None:
                 connection = await self.connect()
-            result = await connection.stream(self.request, self.timeout)
+            result = await connection.stream(request or self.request, self.timeout)
         except OSError as exc:
             return StreamResult(ok=False, error=f"connect: {exc}"), None
         return result, connection if result.ok and connection.transport is not None else None
