@@ -5,7 +5,8 @@ so work lands where there is room and no router has to guess load. It claims the
 requests of its own stream (sent to it for its cache, `shared/affinity.py`) and its model's, and
 with a free slot, every `steal_after_s`, what has waited that long in other workers' own streams.
 With every slot busy, it may start `express_slots` more, for tenants with nothing else queued
-(`shared/fair_queue.py`). A dead worker's requests are reclaimed (`reclaim_requests`).
+(`shared/fair_queue.py`). A dead or draining worker's requests are taken over (`reclaim_requests`),
+in up to `takeover_slots` more: they already waited, and go ahead of new work.
 
 What it claims goes to the `Runner` (worker/runner.py). An entry that is not a valid request
 envelope (it fails the typed decoding of `shared.codec`) is acknowledged, dead-lettered with the
@@ -44,7 +45,8 @@ class RequestConsumer:
     `claim_express`, each ending at its next turn once `stop()` is called."""
 
     def __init__(self, redis: aioredis.Redis, runner: Runner, model: str, worker_id: str, max_concurrency: int, *,
-                 claim_idle_s: float = 3.0, steal_after_s: float = 0.01, express_slots: int = 0):
+                 claim_idle_s: float = 3.0, steal_after_s: float = 0.01, express_slots: int = 0,
+                 takeover_slots: int = 0):
         self.redis = redis
         self.runner = runner
         self.model = model
@@ -53,6 +55,7 @@ class RequestConsumer:
         self.claim_idle_s = claim_idle_s
         self.steal_after_s = steal_after_s
         self.express_slots = express_slots
+        self.takeover_slots = takeover_slots
         self.stream = keys.request_stream(model)
         self.own_stream = keys.worker_stream(model, worker_id)
         self._bind = redis.register_script(fair_queue.BIND)
@@ -73,6 +76,11 @@ class RequestConsumer:
     @property
     def in_flight(self) -> int:
         return self.runner.in_flight
+
+    @property
+    def takeover_room(self) -> int:
+        """How many taken-over requests this worker may start now: its free slots and those kept for them."""
+        return self.max_concurrency + self.takeover_slots - self.in_flight
 
     def loops(self) -> list:
         """The claiming loops but `claim_requests` (which a stop waits for apart)."""
@@ -224,7 +232,7 @@ class RequestConsumer:
                 log.warning("reading the workers' streams failed: %s", exc)
                 dead = []
             for stream, expired_at in [(self.stream, now_ms), *((name.decode(), at) for name, at in dead)]:
-                free = self.max_concurrency - self.in_flight
+                free = self.takeover_room
                 if free <= 0:
                     break
                 try:
@@ -239,10 +247,11 @@ class RequestConsumer:
                 await self._start_entries([(stream, entry_id, fields) for entry_id, fields in entries], "reclaimed")
 
     async def _take_over_rung(self, wait: float) -> None:
-        """Wait up to `wait` seconds for the takeover doorbell while a slot is free, and claim the
-        entries rung there (a gateway saw their worker gone and took the lease back): the request
-        goes on here within milliseconds, not at the next sweep."""
-        free = self.max_concurrency - self.in_flight
+        """Wait up to `wait` seconds for the takeover doorbell while a slot is free (one kept for
+        takeovers counts), and claim the entries rung there (a gateway saw their worker gone and took
+        the lease back; a draining worker handed them over): the request goes on here within
+        milliseconds, not at the next sweep nor behind new work."""
+        free = self.takeover_room
         if free <= 0:
             await pause(self.stopping, wait)
             return

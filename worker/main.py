@@ -59,8 +59,8 @@ def new_worker_id() -> str:
 class Worker:
     def __init__(self, redis: aioredis.Redis, adapter: Adapter, max_concurrency: int, worker_id: str | None = None,
                  *, renewals: SyncRedis | SyncRedisCluster, claim_idle_s: float = 3.0, kinds: tuple[str, ...] = (), steal_after_s: float = 0.01,
-                 express_slots: int = 0, log_requests: bool = False, migration_limit: int = 3,
-                 drain_timeout_s: float = 30.0):
+                 express_slots: int = 0, takeover_slots: int = 1, log_requests: bool = False,
+                 migration_limit: int = 3, drain_timeout_s: float = 30.0):
         self.redis = redis
         self.adapter = adapter
         self.model = adapter.served_model_name
@@ -80,7 +80,7 @@ class Worker:
                              on_engine_failure=self._check_engine)
         self.consumer = RequestConsumer(redis, self.runner, self.model, self.worker_id, max_concurrency,
                                         claim_idle_s=claim_idle_s, steal_after_s=steal_after_s,
-                                        express_slots=express_slots)
+                                        express_slots=express_slots, takeover_slots=takeover_slots)
         self.cancels = CancelFollower(redis, self.model, self.runner.running, self.runner.cancel_requested,
                                       lambda rid, cause, sent_at: self.runner.spawn(self.runner.cancel(rid, cause,
                                                                                                       sent_at)),
@@ -259,7 +259,8 @@ async def serve(settings: WorkerSettings, adapter: Adapter | None = None) -> Non
     worker = Worker(redis, adapter, settings.max_concurrency, worker_id, renewals=renewals,
                     claim_idle_s=settings.claim_idle_s,
                     kinds=settings.kinds, steal_after_s=settings.steal_after_ms / 1000,
-                    express_slots=settings.express_slots, log_requests=settings.enable_log_requests,
+                    express_slots=settings.express_slots, takeover_slots=settings.takeover_slots,
+                    log_requests=settings.enable_log_requests,
                     migration_limit=settings.migration_limit, drain_timeout_s=settings.drain_timeout_s)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

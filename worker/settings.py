@@ -45,6 +45,9 @@ class WorkerSettings:
                                      "tools, a structured output or reasoning).")
     steal_after_ms: float = setting(10.0, "With a free slot, take the requests that have waited this many milliseconds "
                                     "in another (busy or stopped) worker's own queue.")
+    takeover_slots: int = setting(1, "Slots kept for requests taken over from a worker that died or drained: with "
+                                  "every slot busy, take up to this many more of them, so that a moved stream goes "
+                                  "on ahead of new work instead of waiting for a slot behind it. 0: none.")
     express_slots: int = setting(0, "With every slot busy, start up to this many more requests, only of API keys that "
                                  "have nothing else queued (fair share's express lane). The engine must have room for "
                                  "them (vLLM: --max-num-seqs above --max-concurrency). 0: off.")

@@ -302,6 +302,42 @@ def test_a_killed_workers_stream_is_taken_over_once_its_connection_closes(redis_
         doomed.kill()
 
 
+def test_a_taken_over_stream_goes_ahead_of_new_work_on_a_full_worker(redis_url, gateway):
+    """The only other worker has every slot busy (one, with a 100 s stream): it takes the dead
+    worker's stream over in the slot it keeps for takeovers (`--takeover-slots`, default 1), and
+    the stream ends whole while the long one still runs. Without that slot it would wait for the
+    long stream's end."""
+    model = f"doomed-{uuid.uuid4().hex[:6]}"
+    rescuer = start_worker(redis_url, model, "--max-concurrency", "1", "--claim-idle", "60",
+                           "--scripted-tokens-per-second", "20")
+    doomed = None
+    try:
+        wait_until_served(gateway, model)
+        url = f"{gateway.url}/v1/chat/completions"
+        with httpx.stream("POST", url, json=_body(model, True, 2000), timeout=60) as long_one:  # 100 s
+            long_lines = long_one.iter_lines()
+            next(long_lines)
+            doomed = start_worker(redis_url, model, "--max-concurrency", "1", "--scripted-tokens-per-second", "20")
+            wait_for(lambda: metric_value(gateway.url, "llmfleet_gateway_live_workers", model=model) == 2, 10,
+                     "the second worker to be live")
+            time.sleep(max(0.0, PRESENCE_TRUST_S + 0.5 - (time.time() - metric_value(
+                gateway.url, "process_start_time_seconds"))))
+            body = {**_body(model, True, 200), "temperature": 0.8}  # 10 s, on the only free slot: the doomed one's
+            with httpx.stream("POST", url, json=body, timeout=httpx.Timeout(60, read=20)) as response:
+                lines = response.iter_lines()
+                seen = [next(lines) for _ in range(6)]
+                doomed.kill()
+                text = "\n".join([*seen, *lines])
+            assert metric_value(rescuer.url, "llmfleet_worker_in_flight") == 1  # the long stream runs on
+        assert '"error"' not in text, text[-500:]
+        assert _stream_text(text) == " ".join(["tick", "tock"] * 100)
+        assert metric_value(rescuer.url, "llmfleet_worker_migrations_total") == 1
+    finally:
+        rescuer.stop()
+        if doomed is not None:
+            doomed.kill()
+
+
 def test_each_choice_of_a_sampled_stream_goes_on_where_it_stood_with_its_logprobs(redis_url, redis_client, gateway):
     """A sampled stream of two choices with logprobs, its worker SIGKILLed: the worker that takes it
     over continues each choice from the text its client was sent, as a request of its own; every
