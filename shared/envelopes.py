@@ -98,8 +98,8 @@ class SamplingOptions(Envelope):
     include_stop_str_in_output: bool = False
 
 
-# Body fields whose state a continuation from the text alone cannot rebuild (`RequestEnvelope.continues`).
-_NOT_CONTINUED = ("tools", "structured_outputs", "prompt_logprobs", "echo")
+# Body fields whose state a continuation cannot rebuild (`RequestEnvelope.continues`): a grammar's, the prompt's own.
+_NOT_CONTINUED = ("structured_outputs", "prompt_logprobs", "echo")
 
 
 class RequestEnvelope(Envelope):
@@ -147,11 +147,13 @@ class RequestEnvelope(Envelope):
 
     @property
     def continues(self) -> bool:
-        """A sampled stream that a worker taking it over continues from the text its client was
-        sent (`continued`): plain text (a chat answer, or a completion of one string prompt), its n
-        choices each continued where it stood, its logprobs going on with the new tokens; not one
-        with tools or a structured output, whose state a continuation cannot rebuild. Its
-        continuation is a valid sample, not the same sample."""
+        """A sampled stream that a worker taking it over continues where its client stood
+        (`continued`): a chat answer, or a completion of one string prompt; its n choices each
+        continued where it stood, its logprobs going on with the new tokens. From the tokens its
+        client was sent where its worker sent them (a chat stream through a tool or reasoning
+        parser, whose state the continuation rebuilds from them); else from its text, where that
+        is all it sent. Not one with a structured output or a forced tool call, whose grammar's
+        state a continuation cannot rebuild. Its continuation is a valid sample, not the same one."""
         if not self.stream or self.replays_exactly:
             return False
         body = self.body
@@ -160,15 +162,21 @@ class RequestEnvelope(Envelope):
                 or any(value for name, value in body.items() if name.startswith("guided_")):
             return False
         if self.kind == "chat":
-            return not body.get("continue_final_message")
+            return not body.get("continue_final_message") and body.get("tool_choice") in (None, "auto", "none")
         return self.kind == "completion" and isinstance(body.get("prompt"), str) and not self.params.echo \
             and not body.get("suffix")
 
     def continued(self, choice: ContinuedChoice) -> RequestEnvelope:
-        """This request, to continue one choice where its client's stream stood: the text sent so far
-        as the start of the answer (chat: a final assistant message the model continues; completion:
-        the prompt's end), with the tokens it had left, as a request of one choice."""
+        """This request, to continue one choice where its client's stream stood, as a request of one
+        choice: from its tokens, the request as it was (the worker's engine reads the tokens after
+        the prompt, `GenerationAdapter.generate`); from its text, that text as the start of the
+        answer (chat: a final assistant message the model continues; completion: the prompt's end),
+        with the tokens it had left."""
         body = dict(self.body)
+        if choice.token_ids is not None:
+            if "n" in body:
+                body["n"] = 1
+            return msgspec.structs.replace(self, body=body, params=msgspec.structs.replace(self.params, n=1))
         if self.kind == "chat":
             body["messages"] = [*body.get("messages", ()), {"role": "assistant", "content": choice.text}]
             body.update(continue_final_message=True, add_generation_prompt=False)
@@ -203,6 +211,9 @@ class ContinuedChoice(Envelope):
     # token's length. vLLM counts offsets by each token's own text, which can outrun the text
     # (bytes of one character each decode to a replacement character).
     text_offset: NonNegative = 0
+    # The engine's tokens of the choice so far, where its worker sent them (`GenerationChunk.output_ids`):
+    # it is continued from them, not from its text.
+    token_ids: list[int] | None = None
 
 
 class Continuation(Envelope):
@@ -296,6 +307,10 @@ class GenerationChunk(Envelope):
     # whose engine builds whole responses (one chunk for the whole answer). 0: when the chunk came.
     first_token_at: Seconds = 0.0
     token_ids: list[int] | None = None  # this delta's tokens, when the client asked (`return_token_ids`)
+    # The engine's tokens this delta stands for, held-back ones included, for a takeover to continue
+    # the stream from (never shown to the client): sent where a parser's state is more than the text
+    # (a chat stream through a tool or reasoning parser).
+    output_ids: list[int] | None = None
     prompt_logprobs: list[Any] | None = None  # terminal of a whole chat answer: the prompt's logprobs, if asked
     # Terminal only, of an encoder's answer (embed, score, rerank, classify, pooling): one pooled
     # output per input, or per pair scored, in the request's order; `usage` counts the inputs' tokens.
@@ -315,7 +330,7 @@ class GenerationChunk(Envelope):
         return (self.is_delta_only and other.is_delta_only and self.choice_index == other.choice_index
                 and (self.text is None) == (other.text is None) and bool(self.reasoning) == bool(other.reasoning)
                 and type(self.logprobs) is type(other.logprobs) and type(self.token_ids) is type(other.token_ids)
-                and other.prompt_token_ids is None)
+                and type(self.output_ids) is type(other.output_ids) and other.prompt_token_ids is None)
 
     def absorb(self, other: GenerationChunk) -> None:
         """Append the next delta (see `can_absorb`) to this one."""
@@ -325,6 +340,8 @@ class GenerationChunk(Envelope):
         self.token_count += other.token_count
         if self.token_ids is not None:
             self.token_ids.extend(other.token_ids)
+        if self.output_ids is not None:
+            self.output_ids.extend(other.output_ids)
         if isinstance(self.logprobs, list):
             self.logprobs.extend(other.logprobs)
         elif isinstance(self.logprobs, dict):

@@ -106,11 +106,23 @@ def test_which_streams_a_takeover_continues(kind, body, continues):
     assert _stream(kind, **body).continues is continues
 
 
-@pytest.mark.parametrize("body", [{"tools": [{"type": "function", "function": {"name": "f"}}]},
+TOOLS = [{"type": "function", "function": {"name": "f"}}]
+
+
+@pytest.mark.parametrize("body", [{"tools": TOOLS}, {"tools": TOOLS, "tool_choice": "auto"},
+                                  {"tools": TOOLS, "tool_choice": "none"}])
+def test_a_chat_stream_with_tools_is_continued_from_its_tokens_or_text(body):
+    request = _stream()
+    request.body.update(body)
+    assert request.continues
+
+
+@pytest.mark.parametrize("body", [{"tools": TOOLS, "tool_choice": "required"},
+                                  {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "f"}}},
                                   {"response_format": {"type": "json_object"}}, {"structured_outputs": {"regex": "a"}},
                                   {"continue_final_message": True}, {"prompt_logprobs": 1}, {"echo": True},
                                   {"guided_regex": "a+"}])
-def test_a_chat_stream_whose_state_is_more_than_its_text_is_not_continued(body):
+def test_a_chat_stream_under_a_grammar_is_not_continued(body):
     request = _stream()
     request.body.update(body)
     assert not request.continues
@@ -160,6 +172,33 @@ def test_a_takeover_continues_each_unfinished_choice_and_counts_every_token_sent
         tokens=4, prompt_tokens=2)
     sent.add(_delta("", 0, index=1, tool_calls=[ToolCallDelta(index=0, name="f")]))
     assert sent.continuation() is None  # a tool call's state is more than its text
+
+
+def test_a_stream_that_sent_its_engine_tokens_is_continued_from_them_whatever_it_sent():
+    sent = Sent(choice_count=2)
+    for chunk in (_delta(None, 2, reasoning="Let me", output_ids=[7, 40], usage=Usage(prompt_tokens=5)),
+                  _delta(None, 3, index=1, output_ids=[7, 41, 42]),
+                  _delta(None, 1, tool_calls=[ToolCallDelta(index=0, name="f")], output_ids=[5]),
+                  _delta(None, 0, index=1, output_ids=[])):  # held back by its parser: none yet
+        sent.add(chunk)
+    assert sent.continuation() == Continuation(choices=[
+        ContinuedChoice(index=0, text="", tokens=3, token_ids=[7, 40, 5]),
+        ContinuedChoice(index=1, text="", tokens=3, token_ids=[7, 41, 42])], tokens=6, prompt_tokens=5)
+
+
+def test_a_stream_missing_some_engine_tokens_falls_back_to_its_text_where_that_holds_its_state():
+    texts = _sent(_delta("Once", 1, output_ids=[11]), _delta(" upon", 1))
+    assert texts.continuation().choices == [ContinuedChoice(index=0, text="Once upon", tokens=2)]
+    assert _sent(_delta(None, 1, reasoning="hmm", output_ids=[11]), _delta(None, 1, reasoning="m")).continuation() \
+        is None
+
+
+def test_a_choice_continued_from_its_tokens_is_the_request_as_it_was_with_one_choice():
+    request = _stream(n=2, max_tokens=20)
+    request.body.update(n=2, max_tokens=20)
+    continued = request.continued(ContinuedChoice(index=1, text="", tokens=3, token_ids=[7, 41, 42]))
+    assert continued.body == {**request.body, "n": 1} and continued.params.n == 1
+    assert continued.params.max_tokens == 20  # the engine's bound counts the tokens sent (worker/adapters/vllm.py)
 
 
 def test_a_completions_logprob_offsets_go_on_from_the_last_token_sent_not_from_its_text():

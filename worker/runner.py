@@ -335,9 +335,9 @@ class Runner:
                 parts = {index: msgspec.structs.replace(part, request_id=f"{request.request_id}/{index}")
                          for index, part in parts.items()}
                 self._parts[request.request_id] = [part.request_id for part in parts.values()]
-            sent = {choice.index: choice.text for choice in state.choices}
-            generation = continuing({index: stopped_across_the_break(adapter.generate(part), sent[index],
-                                                                     request.params)
+            sent = {choice.index: choice for choice in state.choices}
+            generation = continuing({index: stopped_across_the_break(adapter.generate(part, sent[index].token_ids),
+                                                                     sent[index].text, request.params)
                                      for index, part in parts.items()}, state)
         chunks = self._observe(adapter, request, generation)
         deadline = self._deadline_alarm(request)
@@ -408,8 +408,8 @@ class Runner:
     async def hand_over(self) -> None:
         """At a draining worker's deadline: give up the running requests another worker can take
         over without a client noticing (greedy or seeded streams, which it replays for their
-        gateway to join; sampled plain-text streams, which it continues from what their gateway
-        relayed, told so by a last `handed_over` chunk; non-streaming requests, which sent
+        gateway to join; sampled streams, which it continues from what their gateway relayed (its
+        text, or the engine's tokens), told so by a last `handed_over` chunk; non-streaming requests, which sent
         nothing), and stop them here. Their entries stay pending, rung on the model's takeover
         doorbell for a worker with room to claim at once (`shared.takeover`); else the others'
         sweeps reclaim them (`reclaim_requests`), as a dead worker's."""

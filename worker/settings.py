@@ -41,8 +41,8 @@ class WorkerSettings:
     drain_timeout_s: float = setting(30.0, "Seconds a stopping worker (SIGTERM) lets its runs finish; then it hands the "
                                      "streams and the non-streaming requests still running to the model's other "
                                      "workers, if one takes work (a stream goes on where its client stood; a "
-                                     "non-streaming request runs again), and finishes only the rest (streams with "
-                                     "tools, a structured output or reasoning).")
+                                     "non-streaming request runs again), and finishes only the rest (streams under "
+                                     "a structured output or a forced tool call).")
     steal_after_ms: float = setting(10.0, "With a free slot, take the requests that have waited this many milliseconds "
                                     "in another (busy or stopped) worker's own queue.")
     takeover_slots: int = setting(1, "Slots kept for requests taken over from a worker that died or drained: with "

@@ -15,10 +15,13 @@ What is not joined, and ends with that error: a takeover delta that carries logp
 call across the point where the client stood (only whole deltas of those are matched). The
 worker bounds how often one request is taken over this way (`--migration-limit`).
 
-A sampled stream of plain text (`RequestEnvelope.continues`) is continued instead: when its
-worker is seen dead, its gateway saves what the client was sent (`Sent.continuation`, under
-keys.continuation_key), and the worker that takes it over generates the rest after that text
-(`RequestEnvelope.continued`); its chunks follow the client's stream as they come.
+A sampled stream (`RequestEnvelope.continues`) is continued instead: when its worker is seen
+dead, its gateway saves what the client was sent (`Sent.continuation`, under
+keys.continuation_key), and the worker that takes it over generates the rest after it
+(`RequestEnvelope.continued`); its chunks follow the client's stream as they come. After the
+engine's tokens, where the worker sent them with each delta (`GenerationChunk.output_ids`: a chat
+stream through a tool or reasoning parser, whose state the new worker rebuilds from them); else
+after its text, where text is all the stream sent.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class _Choice:
     tokens: int = 0
     finished: bool = False
     text_offset: int = 0  # where a completion's next logprob offset counts from
+    ids: list[int] | None = field(default_factory=list)  # the engine's tokens sent; None: not all were
 
 
 class Sent:
@@ -69,19 +73,27 @@ class Sent:
         if chunk.tool_calls:
             choice.calls.append(_calls(chunk))
         choice.tokens += chunk.token_count
+        if chunk.output_ids is not None and choice.ids is not None:
+            choice.ids.extend(chunk.output_ids)
+        elif chunk.token_count:
+            choice.ids = None
         if isinstance(chunk.logprobs, dict) and chunk.logprobs.get("tokens"):
             choice.text_offset = chunk.logprobs["text_offset"][-1] + len(chunk.logprobs["tokens"][-1])
         choice.finished = choice.finished or chunk.finish_reason is not None
 
     def continuation(self) -> Continuation | None:
-        """What a takeover continues from: each unfinished choice's text and tokens; None where the
-        text alone does not hold the answer's state (reasoning or a tool call was sent), or where
-        every choice has ended."""
-        if any(choice.reasoning or choice.calls for choice in self.choices.values()):
-            return None
+        """What a takeover continues from: each unfinished choice's text and tokens, with the
+        engine's tokens where every one sent came with them; None where every choice has ended, or
+        where the text alone must do but does not hold the answer's state (reasoning or a tool call
+        was sent)."""
         sent = [(index, self.choices.get(index, _Choice())) for index in range(self.choice_count)]
+        unfinished = [choice for _index, choice in sent if not choice.finished]
+        by_ids = any(choice.ids for choice in unfinished) and all(
+            choice.ids is not None and len(choice.ids) == choice.tokens for choice in unfinished)
+        if not by_ids and any(choice.reasoning or choice.calls for choice in self.choices.values()):
+            return None
         going = [ContinuedChoice(index=index, text="".join(choice.text), tokens=choice.tokens,
-                                 text_offset=choice.text_offset)
+                                 text_offset=choice.text_offset, token_ids=list(choice.ids) if by_ids else None)
                  for index, choice in sent if not choice.finished]
         if not going:
             return None

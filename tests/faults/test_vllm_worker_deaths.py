@@ -5,6 +5,9 @@
   (gateway/fleet/replay.py): the text, finish reason and usage of the uninterrupted answer, and
   its sampled streams (a chat of two choices and a completion, with logprobs) are continued
   from where each choice stood, to their full length, counted once, a logprob for every token.
+  The workers run a reasoning parser (deepseek_r1): the chat's answer is all reasoning text, so
+  it is continued from the engine's tokens its client was sent, its parser's state rebuilt from
+  them; the completion, which has no parser, from its text.
 - A worker whose engine core dies under a running request: the request fails, the worker exits
   non-zero and leaves the registry.
 
@@ -59,7 +62,9 @@ def _kill_with_engine(worker) -> None:
 
 
 def test_vllm_worker_killed_mid_generation(vllm_stack, mortal_worker, mortal_spare):
-    request = {"messages": MESSAGES, "max_tokens": 1500, "temperature": 0}
+    # Without thinking, the reasoning parser's answer is content, as on the stack's worker (no such parser).
+    request = {"messages": MESSAGES, "max_tokens": 1500, "temperature": 0,
+               "chat_template_kwargs": {"enable_thinking": False}}
     expected = httpx.post(f"{vllm_stack.gateway.url}/v1/chat/completions", timeout=120,
                           json={**request, "model": vllm_stack.model}).json()["choices"][0]["message"]["content"]
     doomed = wait_registered(mortal_worker, ENGINE_START_S)
@@ -79,38 +84,50 @@ def test_vllm_worker_killed_mid_generation(vllm_stack, mortal_worker, mortal_spa
             except httpx.HTTPError as exc:
                 result["response"] = exc
 
-        streaming = {path: threading.Event() for path in ("/v1/chat/completions", "/v1/completions")}
+        streaming = {path: threading.Event() for path in ("/v1/chat/completions", "/v1/completions", "top_k 1")}
 
-        def sampled_stream(path: str, body: dict) -> None:  # continued by the rescuer after the death
+        def sampled_stream(path: str, body: dict, key: str = "") -> None:  # continued by the rescuer after the death
+            key = key or path
             body = {**body, "max_tokens": 1500, "temperature": 1.0, "ignore_eos": True, "model": MORTAL_MODEL,
                     "stream": True, "stream_options": {"include_usage": True}}
-            chunks = result[path] = []
+            chunks = result[key] = []
             try:
                 with httpx.stream("POST", f"{vllm_stack.gateway.url}{path}", json=body, timeout=60) as response:
                     for line in response.iter_lines():
                         if line.startswith("data: {"):
                             chunks.append(json.loads(line[6:]))
                             if any(choice.get("text") or choice.get("delta", {}).get("content")
+                                   or choice.get("delta", {}).get("reasoning")
                                    for choice in chunks[-1].get("choices", ())):
-                                streaming[path].set()  # its text has begun: the kill is mid-stream
+                                streaming[key].set()  # its text has begun: the kill is mid-stream
             except httpx.HTTPError as exc:
-                result[path] = exc
+                result[key] = exc
 
+        no_tags = {str(tag): -100 for tag in range(5, 9)}  # <tool_call>, <think> and their ends: all reasoning
         prompt_tokens = httpx.post(f"{vllm_stack.gateway.url}/v1/completions", timeout=60, json={
             "model": vllm_stack.model, "prompt": PROMPT, "max_tokens": 1}).json()["usage"]["prompt_tokens"]
+        thinking_answer = httpx.post(f"{vllm_stack.gateway.url}/v1/chat/completions", timeout=120, json={
+            "model": vllm_stack.model, "messages": MESSAGES, "max_tokens": 1500, "temperature": 0,
+            "ignore_eos": True, "logit_bias": no_tags}).json()
+        thinking, chat_prompt_tokens = thinking_answer["choices"][0]["message"]["content"], thinking_answer[
+            "usage"]["prompt_tokens"]
         rerun = threading.Thread(target=whole_answer)
         rerun.start()
         sampled = [threading.Thread(target=sampled_stream, args=("/v1/chat/completions", {
-                       "messages": MESSAGES, "n": 2, "logprobs": True, "top_logprobs": 2})),
-                   threading.Thread(target=sampled_stream, args=("/v1/completions", {"prompt": PROMPT, "logprobs": 2}))]
+                       "messages": MESSAGES, "n": 2, "logprobs": True, "top_logprobs": 2, "logit_bias": no_tags})),
+                   threading.Thread(target=sampled_stream, args=("/v1/completions", {"prompt": PROMPT, "logprobs": 2})),
+                   # Sampled, so continued, not replayed; but from one candidate a token, the greedy answer: continued
+                   # from the engine's tokens, it goes on exactly where the client stood.
+                   threading.Thread(target=sampled_stream, args=("/v1/chat/completions", {
+                       "messages": MESSAGES, "top_k": 1, "logit_bias": no_tags}, "top_k 1"))]
         for thread in sampled:
             thread.start()
         streamed = {**request, "model": MORTAL_MODEL, "stream": True, "stream_options": {"include_usage": True}}
         with httpx.stream("POST", url, json=streamed, timeout=60) as stream:
             lines = stream.iter_lines()
             data = [next(lines)]
-            wait_for(lambda: metric_value(doomed.url, "llmfleet_worker_in_flight") == 4, 20,
-                     "the doomed worker to run the four requests")
+            wait_for(lambda: metric_value(doomed.url, "llmfleet_worker_in_flight") == 5, 20,
+                     "the doomed worker to run the five requests")
             assert all(begun.wait(60) for begun in streaming.values()), "the sampled streams to begin"
             _kill_with_engine(doomed)
             killed_at = time.monotonic()
@@ -124,12 +141,16 @@ def test_vllm_worker_killed_mid_generation(vllm_stack, mortal_worker, mortal_spa
         print(f"the longest wait for a chunk after the kill: {max(gaps):.2f}s")
         chunks = [json.loads(line[6:]) for line in data if line != "data: [DONE]"]
         assert not [c for c in chunks if "error" in c], chunks[-1]
-        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+        # The answer's text, whichever side of the reasoning parser it is read on (vLLM's parser reads a
+        # whole answer without "</think>" as reasoning, a stream whose prompt closed thinking as content).
+        text = "".join(c["choices"][0]["delta"].get("content") or c["choices"][0]["delta"].get("reasoning") or ""
+                       for c in chunks if c["choices"])
         rerun.join(400)
         answer = result["response"]
         assert isinstance(answer, httpx.Response) and answer.status_code == 200, answer
         whole = answer.json()
-        assert whole["choices"][0]["message"]["content"] == expected  # the same greedy answer
+        message = whole["choices"][0]["message"]
+        assert (message["content"] or message["reasoning"]) == expected  # the same greedy answer
         # The stream goes on where it stood: the uninterrupted answer, its finish and its usage.
         assert text == expected
         assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == whole["choices"][0][
@@ -141,7 +162,7 @@ def test_vllm_worker_killed_mid_generation(vllm_stack, mortal_worker, mortal_spa
         for thread in sampled:
             thread.join(60)
         chat, completion = result["/v1/chat/completions"], result["/v1/completions"]
-        for path, prompt, choices in (("/v1/chat/completions", whole["usage"]["prompt_tokens"], 2),
+        for path, prompt, choices in (("/v1/chat/completions", chat_prompt_tokens, 2),
                                       ("/v1/completions", prompt_tokens, 1)):
             continued = result[path]
             assert not [c for c in continued if "error" in c], (path, continued[-1])
@@ -154,14 +175,20 @@ def test_vllm_worker_killed_mid_generation(vllm_stack, mortal_worker, mortal_spa
             logprobs = [entry for c in chat for choice in c["choices"] if choice["index"] == index
                         for entry in (choice.get("logprobs") or {}).get("content") or ()]
             assert len(logprobs) == 1500 and all(len(entry["top_logprobs"]) == 2 for entry in logprobs), index
+            deltas = [choice["delta"] for c in chat for choice in c["choices"] if choice["index"] == index]
+            assert "".join(d.get("reasoning") or "" for d in deltas) and not any(d.get("content") for d in deltas)
         # A completion's logprob offsets count on across the break as vLLM counts them: each token's
         # offset is the one before it plus that token's text (which can outrun the text itself).
         entries = [entry for c in completion if c["choices"] and c["choices"][0]["logprobs"]
                    for entry in zip(c["choices"][0]["logprobs"]["text_offset"], c["choices"][0]["logprobs"]["tokens"])]
         assert len(entries) == 1500 and entries[0][0] == 0
         assert [at for at, _token in entries[1:]] == [at + len(token) for at, token in entries[:-1]]
-        assert metric_value(rescuer.url, "llmfleet_worker_reclaimed_total") == 4
-        assert metric_value(rescuer.url, "llmfleet_worker_migrations_total") == 3  # a replay, two continuations
+        exact = result["top_k 1"]
+        assert not [c for c in exact if "error" in c], exact[-1]
+        assert "".join(choice["delta"].get("reasoning") or "" for c in exact for choice in c["choices"]) == thinking
+        assert exact[-1]["usage"]["completion_tokens"] == 1500
+        assert metric_value(rescuer.url, "llmfleet_worker_reclaimed_total") == 5
+        assert metric_value(rescuer.url, "llmfleet_worker_migrations_total") == 4  # a replay, three continuations
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(rescuer.pid, signal.SIGCONT)

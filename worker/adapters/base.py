@@ -67,8 +67,10 @@ class GenerationAdapter(Adapter):
     kinds = GENERATION_KINDS
 
     @abstractmethod
-    def generate(self, request: RequestEnvelope) -> AsyncIterator[GenerationChunk]:
-        """Stream the chunks of one request (see the module docstring for the contract)."""
+    def generate(self, request: RequestEnvelope, prefix_ids: list[int] | None = None) -> AsyncIterator[GenerationChunk]:
+        """Stream the chunks of one request (see the module docstring for the contract). With
+        `prefix_ids`, continue its one choice after those tokens of its answer, which its client
+        was already sent: stream only what comes after them, with the usage of the rest alone."""
 
     @abstractmethod
     async def abort(self, request_id: str) -> None:

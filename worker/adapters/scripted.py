@@ -138,7 +138,10 @@ class ScriptedAdapter(GenerationAdapter):
         if event is not None:
             event.set()
 
-    async def generate(self, request: RequestEnvelope) -> AsyncIterator[GenerationChunk]:
+    async def generate(self, request: RequestEnvelope,
+                       prefix_ids: list[int] | None = None) -> AsyncIterator[GenerationChunk]:
+        # Its chunks name no engine tokens (`output_ids`), so its streams are continued from their text.
+        assert prefix_ids is None, "the scripted engine continues from text only"
         prompts = script_words(request)
         params = request.params
         if (prompt_tokens := max(tokens for _words, tokens in prompts)) > self.max_model_len:

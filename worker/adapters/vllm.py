@@ -16,6 +16,15 @@ them (`_Plain`; tests/test_vllm_plain_streams.py compares the two on one engine)
 is always asked for continuous usage, which gives the token count of every delta; what the
 client sees follows its own `stream_options`, applied by the gateway.
 
+A chat stream through a tool or reasoning parser sends, with each delta, the engine's tokens it
+stands for (`GenerationChunk.output_ids`), for another worker to continue it from where its
+client stood if this one dies or drains: the parser's state is more than the text it sent. The
+worker that continues it (`generate(..., prefix_ids)`) runs the same request through the same
+handler; the engine it sees (`_ClockedEngine`) reads those tokens after the prompt, and first
+hands the handler one output holding them, so that its parsers see the whole answer so far and
+go on from the same state; what the handler makes of that first output the client already has,
+and is dropped (`_after_prefix`).
+
 Time to first token: a whole (non-streaming) response comes as one chunk at its end, so the
 engine the handlers see (`_ClockedEngine`) notes when its first output carrying a token came, and
 the answer's chunk says so (`GenerationChunk.first_token_at`).
@@ -50,7 +59,7 @@ from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, Tokenize
 from vllm.entrypoints.serve.tokenize.serving import ServingTokenization
 from vllm.entrypoints.serve.utils.fingerprint import get_system_fingerprint
 from vllm.exceptions import GenerationError, VLLMError
-from vllm.outputs import RequestOutput
+from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.renderers.online_renderer import OnlineRenderer
 from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -74,9 +83,33 @@ _FIRST_TOKEN: contextvars.ContextVar[_FirstToken | None] = contextvars.ContextVa
                                                                                    default=None)
 
 
+class _Tokens:
+    """The engine's tokens of the stream being handled in this context: those of each choice not
+    yet sent with a chunk (`take`); and for a stream continued from tokens its client was sent,
+    those (`prefix`), and whether the handler has gone past them (`passed`)."""
+
+    __slots__ = ("pending", "prefix", "passed")
+
+    def __init__(self, prefix: list[int] | None = None):
+        self.pending: dict[int, list[int]] = {}
+        self.prefix = prefix or []
+        self.passed = not self.prefix
+
+    def note(self, output: RequestOutput) -> None:
+        for choice in output.outputs:
+            self.pending.setdefault(choice.index, []).extend(choice.token_ids)
+
+    def take(self, index: int) -> list[int]:
+        return self.pending.pop(index, [])
+
+
+_TOKENS: contextvars.ContextVar[_Tokens | None] = contextvars.ContextVar("llmfleet_tokens", default=None)
+
+
 class _ClockedEngine:
     """The engine as vLLM's handlers see it: every attribute is the engine's, and `generate`
-    notes on the current request's clock when its first output carrying a token came."""
+    notes on the current request's clock when its first output carrying a token came, and for a
+    stream that sends or continues from the engine's tokens, notes them (`_Tokens`)."""
 
     def __init__(self, engine: AsyncLLM):
         self._engine = engine
@@ -84,14 +117,62 @@ class _ClockedEngine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 
-    async def generate(self, *args, **kwargs):
+    async def generate(self, prompt, sampling_params, request_id, *args, **kwargs):
         clock = _FIRST_TOKEN.get()
+        tokens = _TOKENS.get()
+        prompt_ids = None
+        if tokens is not None and tokens.prefix:  # continued: the answer so far, first, as its first output
+            prompt_ids = prompt["prompt_token_ids"]
+            prompt, sampling_params = _after(prompt, sampling_params, tokens.prefix)
+            yield self._answer_so_far(request_id, prompt_ids, tokens.prefix, sampling_params)
+            tokens.passed = True
         # Closed with this generator: closing the engine's aborts its request.
-        async with contextlib.aclosing(self._engine.generate(*args, **kwargs)) as outputs:
+        async with contextlib.aclosing(self._engine.generate(prompt, sampling_params, request_id, *args,
+                                                             **kwargs)) as outputs:
             async for output in outputs:
                 if clock is not None and not clock.at and any(o.token_ids for o in output.outputs):
                     clock.at = time.time()
+                if tokens is not None:
+                    tokens.note(output)
+                if prompt_ids is not None:  # the prompt as the client sent it (its usage, the parsers' view)
+                    output.prompt_token_ids = prompt_ids
                 yield output
+
+    def _answer_so_far(self, request_id: str, prompt_ids: list[int], prefix: list[int], params) -> RequestOutput:
+        """The tokens a continued stream's client was sent, as the engine's first output of it."""
+        text = self._engine.tokenizer.decode(prefix, skip_special_tokens=params.skip_special_tokens)
+        logprobs = [None] * len(prefix) if params.logprobs is not None else None  # not shown: the client has them
+        return RequestOutput(request_id, None, prompt_ids, None, [CompletionOutput(
+            index=0, text=text, token_ids=list(prefix), cumulative_logprob=None, logprobs=logprobs)], finished=False)
+
+
+def _after(prompt: dict, params, prefix: list[int]):
+    """The engine request of a stream continued after `prefix`: the prompt's tokens then the
+    prefix's, and the tokens left of its bounds."""
+    if not isinstance(prompt, dict) or prompt.get("type") != "token":
+        raise ValueError("Only a prompt of tokens can be continued from the tokens of its answer.")
+    prompt = {key: value for key, value in prompt.items() if key not in ("prompt", "prompt_token_offsets")}
+    prompt["prompt_token_ids"] = [*prompt["prompt_token_ids"], *prefix]
+    params = params.clone()
+    if params.max_tokens is not None:
+        params.max_tokens = max(1, params.max_tokens - len(prefix))
+    params.min_tokens = max(0, params.min_tokens - len(prefix))
+    return prompt, params
+
+
+async def _after_prefix(chunks: AsyncIterator[GenerationChunk], tokens: _Tokens) -> AsyncIterator[GenerationChunk]:
+    """A continued stream's chunks from where its client stood: what the handler made of the
+    answer so far dropped, the rest's first token marked, its usage without the answer so far."""
+    begun = False
+    async with contextlib.aclosing(chunks):
+        async for chunk in chunks:
+            if not tokens.passed and not chunk.done:
+                continue
+            if chunk.done and chunk.usage is not None:
+                chunk.usage.completion_tokens = max(0, chunk.usage.completion_tokens - len(tokens.prefix))
+            chunk.first_token = not chunk.done and chunk.token_count > 0 and not begun
+            begun = begun or chunk.first_token
+            yield chunk
 
 
 log = logging.getLogger(__name__)
@@ -168,19 +249,27 @@ class VLLMAdapter(AsyncLLMLifetime, GenerationAdapter, TokenizerAdapter):
         prompts = range(self._prompts.get(request_id, 1))
         await self.engine.abort([f"chatcmpl-{request_id}", *(f"cmpl-{request_id}-{i}" for i in prompts)])
 
-    async def generate(self, request: RequestEnvelope) -> AsyncIterator[GenerationChunk]:
+    async def generate(self, request: RequestEnvelope,
+                       prefix_ids: list[int] | None = None) -> AsyncIterator[GenerationChunk]:
         if request.kind == "completion":
             self._prompts[request.request_id] = len(request.prompts)
+        tokens = None
+        if prefix_ids or (request.continues and request.kind == "chat" and self.chat.parser_cls is not None):
+            tokens = _Tokens(prefix_ids)
+        chunks = self._generate(request, tokens)
+        if prefix_ids:
+            chunks = _after_prefix(chunks, tokens)
         try:
-            async with contextlib.aclosing(self._generate(request)) as chunks:
+            async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
                     yield chunk
         finally:
             self._prompts.pop(request.request_id, None)
 
-    async def _generate(self, request: RequestEnvelope) -> AsyncIterator[GenerationChunk]:
+    async def _generate(self, request: RequestEnvelope, tokens: _Tokens | None) -> AsyncIterator[GenerationChunk]:
         clock = _FirstToken()
         _FIRST_TOKEN.set(clock)  # in the request's own task, which the handler's generation runs in
+        _TOKENS.set(tokens)
         try:
             check_media_urls(request.body, self.engine_args.allowed_media_domains)
             result = await self._handle(request)
@@ -193,7 +282,7 @@ class VLLMAdapter(AsyncLLMLifetime, GenerationAdapter, TokenizerAdapter):
             async for chunk in result.chunks(self.system_fingerprint):
                 yield chunk
         elif isinstance(result, AsyncIterator):
-            async for chunk in _StreamDecoder(request.kind, self.system_fingerprint).decode(result):
+            async for chunk in _StreamDecoder(request.kind, self.system_fingerprint, tokens).decode(result):
                 yield chunk
         else:
             whole = _whole_response(request.kind, result)
@@ -353,9 +442,10 @@ class _Plain:
 class _StreamDecoder:
     """vLLM's OpenAI stream chunks (always with continuous usage) → GenerationChunks."""
 
-    def __init__(self, kind: str, system_fingerprint: str | None):
+    def __init__(self, kind: str, system_fingerprint: str | None, tokens: _Tokens | None = None):
         self.chat = kind == "chat"
         self.system_fingerprint = system_fingerprint
+        self.tokens_seen = tokens  # the engine's tokens, to send with each delta (`output_ids`)
         self.tokens: dict[int, int] = {}  # completion tokens per choice so far
         self.first_sent = False
         self.prompt_sent = False
@@ -393,6 +483,10 @@ class _StreamDecoder:
         total = (usage or {}).get("completion_tokens", 0)
         count = total - self.tokens.get(index, 0)
         self.tokens[index] = total
+        output_ids = None
+        if self.tokens_seen is not None:  # exactly the tokens since the choice's last delta
+            output_ids = self.tokens_seen.take(index)
+            count = len(output_ids)
         logprobs = choice.get("logprobs")
         if self.chat:
             text = delta.get("content")
@@ -408,7 +502,7 @@ class _StreamDecoder:
             first_token=count > 0 and not self.first_sent,
             system_fingerprint=self.system_fingerprint if finish else None,
             prompt_token_ids=choice.get("prompt_token_ids") or self.prompt_token_ids.pop(index, None),
-            token_ids=choice.get("token_ids"),
+            token_ids=choice.get("token_ids"), output_ids=output_ids,
         )
         if not self.prompt_sent and usage is not None:  # the gateway's running usage needs the prompt size
             chunk.usage = Usage(prompt_tokens=usage["prompt_tokens"])
