@@ -250,6 +250,11 @@ class WorkerRegistry:
         its long runs to other workers at its deadline, then exits."""
         return worker_id in self._draining
 
+    def note_draining(self, worker_id: str) -> None:
+        """The worker said it is stopping (it handed a stream over): a drain shorter than a refresh
+        may never show in its heartbeat here."""
+        self._draining[worker_id] = time.monotonic()
+
     def serves(self, model: str) -> bool:
         """Some live worker (draining or not) announces `model`."""
         view = self.models.get(model)

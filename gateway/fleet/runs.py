@@ -158,6 +158,7 @@ class Run:
             for chunk in envelope.chunks:
                 if chunk.handed_over:  # its draining worker gave it up: another continues it
                     self._worker_gone = True
+                    self._registry.note_draining(self.worker_id)
                     if not self._awaiting_takeover():
                         self._lost()
                     continue

@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import MORTAL_MODEL
+from tests.conftest import MORTAL_MODEL, mortal_vllm_worker
 from tests.parity.harness import ENGINE_START_S
 from tests.procs import metric_value, start_gateway, wait_for, wait_registered, wait_until_served
 from worker.consumer import CLAIM_BLOCK_MS
@@ -193,6 +193,79 @@ def test_vllm_worker_killed_mid_generation(vllm_stack, mortal_worker, mortal_spa
         with contextlib.suppress(ProcessLookupError):
             os.kill(rescuer.pid, signal.SIGCONT)
         _kill_with_engine(doomed)
+
+
+def test_vllm_worker_drained_mid_generation(vllm_stack, redis_url, tiny_model_dir, mortal_spare):
+    """SIGTERM to a vLLM worker (`--drain-timeout 0.2`) running two streams of 1,900 tokens: at its
+    deadline it hands both to the other worker and exits. A greedy one is replayed there and joined
+    where it stood; a reasoning one sampled from one candidate a token (`top_k: 1`) is continued
+    from the engine's tokens its client was sent, its parser's state rebuilt from them. Each ends as
+    its uninterrupted greedy answer, with no error, its usage counted once."""
+    rescuer = wait_registered(mortal_spare, ENGINE_START_S)
+    stopping = wait_registered(mortal_vllm_worker(redis_url, tiny_model_dir, "--drain-timeout", "0.2"), ENGINE_START_S)
+    no_tags = {str(tag): -100 for tag in range(5, 9)}  # <tool_call>, <think> and their ends: all reasoning
+    bodies = {"greedy": {"messages": MESSAGES, "max_tokens": 1900, "temperature": 0, "ignore_eos": True,
+                         "chat_template_kwargs": {"enable_thinking": False}},
+              "top_k 1": {"messages": MESSAGES, "max_tokens": 1900, "temperature": 1.0, "top_k": 1,
+                          "ignore_eos": True, "logit_bias": no_tags}}
+    url = f"{vllm_stack.gateway.url}/v1/chat/completions"
+    expected = {name: httpx.post(url, timeout=120, json={**body, "model": vllm_stack.model, "temperature": 0})
+                .json()["choices"][0]["message"]["content"] for name, body in bodies.items()}
+    gateway_migrations = metric_value(vllm_stack.gateway.url, "llmfleet_gateway_migrations_total", model=MORTAL_MODEL)
+    gateway_drains = metric_value(vllm_stack.gateway.url, "llmfleet_gateway_migrations_total", model=MORTAL_MODEL,
+                                  cause="drain")
+    rescuer_migrations = metric_value(rescuer.url, "llmfleet_worker_migrations_total")
+    result: dict = {name: [] for name in bodies}
+    begun = {name: threading.Event() for name in bodies}
+
+    def stream(name: str) -> None:
+        body = {**bodies[name], "model": MORTAL_MODEL, "stream": True, "stream_options": {"include_usage": True}}
+        try:
+            with httpx.stream("POST", url, json=body, timeout=60) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: {"):
+                        result[name].append(json.loads(line[6:]))
+                        if any(c["delta"].get("content") or c["delta"].get("reasoning")
+                               for c in result[name][-1].get("choices", ())):
+                            begun[name].set()
+        except httpx.HTTPError as exc:
+            result[name].append({"error": str(exc)})
+
+    threads = [threading.Thread(target=stream, args=(name,)) for name in bodies]
+    try:
+        # Both go to the stopping worker: the rescuer sits out, paused, until they have begun.
+        os.kill(rescuer.pid, signal.SIGSTOP)
+        time.sleep(2 * CLAIM_BLOCK_MS / 1000)
+        for thread in threads:
+            thread.start()
+        assert all(event.wait(60) for event in begun.values()), "the streams to begin"
+        assert metric_value(stopping.url, "llmfleet_worker_in_flight") == 2
+        os.kill(rescuer.pid, signal.SIGCONT)  # live again before the stopping worker's deadline looks for it
+        wait_for(lambda: metric_value(vllm_stack.gateway.url, "llmfleet_gateway_live_workers", model=MORTAL_MODEL) == 2,
+                 10, "the rescuer to be live again")
+        sent = {name: len(chunks) for name, chunks in result.items()}
+        signalled = time.monotonic()
+        assert stopping.stop(timeout=60) == 0
+        print(f"the drained worker exited {time.monotonic() - signalled:.1f}s after SIGTERM, {sent} chunks sent")
+        for thread in threads:
+            thread.join(120)
+        for name, chunks in result.items():
+            assert not [c for c in chunks if "error" in c], (name, chunks[-1])
+            text = "".join(c["delta"].get("content") or c["delta"].get("reasoning") or ""
+                           for chunk in chunks for c in chunk["choices"])
+            assert text == expected[name], name
+            assert chunks[-1]["usage"]["completion_tokens"] == 1900, name
+        assert metric_value(rescuer.url, "llmfleet_worker_migrations_total") == rescuer_migrations + 2
+        assert metric_value(vllm_stack.gateway.url, "llmfleet_gateway_migrations_total",
+                            model=MORTAL_MODEL) == gateway_migrations + 2
+        # The continued stream's worker said it handed it over (the greedy one's rang it without a word: its
+        # cause is a drain only if the gateway's registry saw the draining heartbeat in the drain's 0.2 s).
+        assert metric_value(vllm_stack.gateway.url, "llmfleet_gateway_migrations_total", model=MORTAL_MODEL,
+                            cause="drain") >= gateway_drains + 1
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(rescuer.pid, signal.SIGCONT)
+        stopping.kill()
 
 
 def test_engine_death_fails_requests_and_exits_non_zero(redis_url, redis_client, mortal_spare):
