@@ -128,8 +128,9 @@ class Leases:
     async def watch(self, stopping, on_lost: Callable[[str], None]) -> None:
         """Report each held lease that may lapse: Redis has not confirmed a renewal (this worker is
         cut off from it, or it is down) for nearly LEASE_TTL_S. Each turn is also the loop's sign of
-        life for the renewing thread."""
-        while not await pause(stopping, CHECK_S):
+        life for the renewing thread. With no lease held, once a heartbeat interval: a lease taken
+        meanwhile cannot lapse before LEASE_TTL_S - MARGIN_S, well after the next turn."""
+        while not await pause(stopping, CHECK_S if self._until else keys.HEARTBEAT_INTERVAL_S):
             now = self.loop_seen = time.monotonic()
             with self._lock:
                 lapsing = [rid for rid, until in self._until.items() if now >= until]

@@ -201,6 +201,7 @@ class RateLimits:
         self._admit = redis.register_script(_ADMIT)
         self._settle = redis.register_script(_SETTLE)
         self._running: set[Grant] = set()
+        self._busy = asyncio.Event()  # set while requests run (or to stop): `run` has something to send
         self._stopping = asyncio.Event()
 
     async def admit(self, envelope: RequestEnvelope, use: KeyUse | None) -> Grant | None:
@@ -228,6 +229,7 @@ class RateLimits:
         metrics.KEY_REQUESTS.labels(key.name, envelope.model).inc()
         grant = Grant(key, envelope.request_id, envelope.model, estimate)
         self._running.add(grant)
+        self._busy.set()
         return grant
 
     async def release(self, grant: Grant | None) -> None:
@@ -242,8 +244,15 @@ class RateLimits:
             log.warning("releasing request %s of key %s failed: %s", grant.request_id, grant.key.name, exc)
 
     async def run(self) -> None:
-        """Every FLUSH_INTERVAL_S, send what running streams served since the last time."""
-        while not await pause(self._stopping, FLUSH_INTERVAL_S):
+        """Every FLUSH_INTERVAL_S while requests run, send what their streams served since the last
+        time; idle, wait for the next request instead of waking for nothing."""
+        while not self._stopping.is_set():
+            if not self._running:
+                self._busy.clear()
+                await self._busy.wait()
+                continue
+            if await pause(self._stopping, FLUSH_INTERVAL_S):
+                break
             sends = [self._send(grant, unsent) for grant in list(self._running)
                      if any(unsent := grant.take_unsent())]
             results = await asyncio.gather(*sends, return_exceptions=True)
@@ -253,6 +262,7 @@ class RateLimits:
 
     def stop(self) -> None:
         self._stopping.set()
+        self._busy.set()
 
     async def _send(self, grant: Grant, unsent: list[int], release: bool = False) -> None:
         if not any(unsent) and not release:
