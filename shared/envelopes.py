@@ -98,8 +98,9 @@ class SamplingOptions(Envelope):
     include_stop_str_in_output: bool = False
 
 
-# Body fields whose state a continuation cannot rebuild (`RequestEnvelope.continues`): a grammar's, the prompt's own.
-_NOT_CONTINUED = ("structured_outputs", "prompt_logprobs", "echo")
+# Body fields whose state a continuation cannot rebuild (`RequestEnvelope.continues`): a grammar's, the prompt's
+# own, a beam search's beams.
+_NOT_CONTINUED = ("structured_outputs", "prompt_logprobs", "echo", "use_beam_search")
 
 
 class RequestEnvelope(Envelope):

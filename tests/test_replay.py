@@ -121,7 +121,7 @@ def test_a_chat_stream_with_tools_is_continued_from_its_tokens_or_text(body):
                                   {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "f"}}},
                                   {"response_format": {"type": "json_object"}}, {"structured_outputs": {"regex": "a"}},
                                   {"continue_final_message": True}, {"prompt_logprobs": 1}, {"echo": True},
-                                  {"guided_regex": "a+"}])
+                                  {"guided_regex": "a+"}, {"use_beam_search": True}])
 def test_a_chat_stream_under_a_grammar_is_not_continued(body):
     request = _stream()
     request.body.update(body)
