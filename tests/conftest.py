@@ -174,9 +174,10 @@ MORTAL_MODEL = "tiny-mortal"  # served by the workers tests/faults/test_vllm_wor
 
 
 def mortal_vllm_worker(redis_url: str, model_dir: str, *args: str) -> Proc:
-    """A vLLM worker of MORTAL_MODEL, started (not waited for): with a reasoning parser, whose state
-    a stream's takeover rebuilds from the engine's tokens."""
-    return start_worker(redis_url, model_dir, *ENGINE_OPTIONS, "--reasoning-parser", "deepseek_r1", *args,
+    """A vLLM worker of MORTAL_MODEL, started (not waited for): with a reasoning and a tool parser,
+    whose state a stream's takeover rebuilds from the engine's tokens."""
+    return start_worker(redis_url, model_dir, *ENGINE_OPTIONS, "--reasoning-parser", "deepseek_r1",
+                        "--enable-auto-tool-choice", "--tool-call-parser", "hermes", *args,
                         engine="vllm", served_name=MORTAL_MODEL, env=ENGINE_ENV, wait=False)
 
 

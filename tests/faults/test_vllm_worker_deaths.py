@@ -5,9 +5,10 @@
   (gateway/fleet/replay.py): the text, finish reason and usage of the uninterrupted answer, and
   its sampled streams (a chat of two choices and a completion, with logprobs) are continued
   from where each choice stood, to their full length, counted once, a logprob for every token.
-  The workers run a reasoning parser (deepseek_r1): the chat's answer is all reasoning text, so
-  it is continued from the engine's tokens its client was sent, its parser's state rebuilt from
-  them; the completion, which has no parser, from its text.
+  The workers run a reasoning parser (deepseek_r1) and a tool parser (hermes): the chat's answer
+  is all reasoning text, so it is continued from the engine's tokens its client was sent, its
+  parsers' state rebuilt from them (one of them offers a tool); the completion, which has no
+  parser, from its text.
 - A worker whose engine core dies under a running request: the request fails, the worker exits
   non-zero and leaves the registry.
 
@@ -30,6 +31,7 @@ import httpx
 import pytest
 
 from tests.conftest import MORTAL_MODEL, mortal_vllm_worker
+from tests.parity.battery import WEATHER_TOOL
 from tests.parity.harness import ENGINE_START_S
 from tests.procs import metric_value, start_gateway, wait_for, wait_registered, wait_until_served
 from worker.consumer import CLAIM_BLOCK_MS
@@ -106,11 +108,13 @@ def test_vllm_worker_killed_mid_generation(vllm_stack, mortal_worker, mortal_spa
         no_tags = {str(tag): -100 for tag in range(5, 9)}  # <tool_call>, <think> and their ends: all reasoning
         prompt_tokens = httpx.post(f"{vllm_stack.gateway.url}/v1/completions", timeout=60, json={
             "model": vllm_stack.model, "prompt": PROMPT, "max_tokens": 1}).json()["usage"]["prompt_tokens"]
+        tools = {"tools": [WEATHER_TOOL], "tool_choice": "auto"}  # its tool parser runs too (after the reasoning)
         thinking_answer = httpx.post(f"{vllm_stack.gateway.url}/v1/chat/completions", timeout=120, json={
             "model": vllm_stack.model, "messages": MESSAGES, "max_tokens": 1500, "temperature": 0,
-            "ignore_eos": True, "logit_bias": no_tags}).json()
-        thinking, chat_prompt_tokens = thinking_answer["choices"][0]["message"]["content"], thinking_answer[
-            "usage"]["prompt_tokens"]
+            "ignore_eos": True, "logit_bias": no_tags, **tools}).json()
+        thinking = thinking_answer["choices"][0]["message"]["content"]
+        chat_prompt_tokens = httpx.post(f"{vllm_stack.gateway.url}/v1/chat/completions", timeout=60, json={
+            "model": vllm_stack.model, "messages": MESSAGES, "max_tokens": 1}).json()["usage"]["prompt_tokens"]
         rerun = threading.Thread(target=whole_answer)
         rerun.start()
         sampled = [threading.Thread(target=sampled_stream, args=("/v1/chat/completions", {
@@ -119,7 +123,7 @@ def test_vllm_worker_killed_mid_generation(vllm_stack, mortal_worker, mortal_spa
                    # Sampled, so continued, not replayed; but from one candidate a token, the greedy answer: continued
                    # from the engine's tokens, it goes on exactly where the client stood.
                    threading.Thread(target=sampled_stream, args=("/v1/chat/completions", {
-                       "messages": MESSAGES, "top_k": 1, "logit_bias": no_tags}, "top_k 1"))]
+                       "messages": MESSAGES, "top_k": 1, "logit_bias": no_tags, **tools}, "top_k 1"))]
         for thread in sampled:
             thread.start()
         streamed = {**request, "model": MORTAL_MODEL, "stream": True, "stream_options": {"include_usage": True}}
