@@ -46,7 +46,7 @@ class RequestConsumer:
 
     def __init__(self, redis: aioredis.Redis, runner: Runner, model: str, worker_id: str, max_concurrency: int, *,
                  claim_idle_s: float = 3.0, steal_after_s: float = 0.01, express_slots: int = 0,
-                 takeover_slots: int = 0):
+                 takeover_slots: int = 1):
         self.redis = redis
         self.runner = runner
         self.model = model

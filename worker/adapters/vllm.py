@@ -86,21 +86,25 @@ _FIRST_TOKEN: contextvars.ContextVar[_FirstToken | None] = contextvars.ContextVa
 class _Tokens:
     """The engine's tokens of the stream being handled in this context: those of each choice not
     yet sent with a chunk (`take`); and for a stream continued from tokens its client was sent,
-    those (`prefix`), and whether the handler has gone past them (`passed`)."""
+    those (`prefix`), and whether the handler has gone past them (`passed`). A prompt that is not
+    tokens alone (multimodal) cannot be continued from them: none are noted (`noting`), and the
+    stream is continued from its text where that holds its state."""
 
-    __slots__ = ("pending", "prefix", "passed")
+    __slots__ = ("pending", "prefix", "passed", "noting")
 
     def __init__(self, prefix: list[int] | None = None):
         self.pending: dict[int, list[int]] = {}
         self.prefix = prefix or []
         self.passed = not self.prefix
+        self.noting = True
 
     def note(self, output: RequestOutput) -> None:
         for choice in output.outputs:
             self.pending.setdefault(choice.index, []).extend(choice.token_ids)
 
-    def take(self, index: int) -> list[int]:
-        return self.pending.pop(index, [])
+    def take(self, index: int) -> list[int] | None:
+        """The tokens of choice `index` since its last delta; None when none are noted."""
+        return self.pending.pop(index, []) if self.noting else None
 
 
 _TOKENS: contextvars.ContextVar[_Tokens | None] = contextvars.ContextVar("llmfleet_tokens", default=None)
@@ -121,6 +125,8 @@ class _ClockedEngine:
         clock = _FIRST_TOKEN.get()
         tokens = _TOKENS.get()
         prompt_ids = None
+        if tokens is not None and not _of_tokens(prompt):
+            tokens.noting = False
         if tokens is not None and tokens.prefix:  # continued: the answer so far, first, as its first output
             prompt_ids = prompt["prompt_token_ids"]
             prompt, sampling_params = _after(prompt, sampling_params, tokens.prefix)
@@ -132,7 +138,7 @@ class _ClockedEngine:
             async for output in outputs:
                 if clock is not None and not clock.at and any(o.token_ids for o in output.outputs):
                     clock.at = time.time()
-                if tokens is not None:
+                if tokens is not None and tokens.noting:
                     tokens.note(output)
                 if prompt_ids is not None:  # the prompt as the client sent it (its usage, the parsers' view)
                     output.prompt_token_ids = prompt_ids
@@ -146,10 +152,15 @@ class _ClockedEngine:
             index=0, text=text, token_ids=list(prefix), cumulative_logprob=None, logprobs=logprobs)], finished=False)
 
 
+def _of_tokens(prompt) -> bool:
+    """A prompt of tokens alone, which a continuation can extend with the tokens of its answer."""
+    return isinstance(prompt, dict) and prompt.get("type") == "token"
+
+
 def _after(prompt: dict, params, prefix: list[int]):
     """The engine request of a stream continued after `prefix`: the prompt's tokens then the
     prefix's, and the tokens left of its bounds."""
-    if not isinstance(prompt, dict) or prompt.get("type") != "token":
+    if not _of_tokens(prompt):  # its worker noted no tokens for such a prompt; a worker of another setup did
         raise ValueError("Only a prompt of tokens can be continued from the tokens of its answer.")
     prompt = {key: value for key, value in prompt.items() if key not in ("prompt", "prompt_token_offsets")}
     prompt["prompt_token_ids"] = [*prompt["prompt_token_ids"], *prefix]
@@ -445,7 +456,7 @@ class _StreamDecoder:
     def __init__(self, kind: str, system_fingerprint: str | None, tokens: _Tokens | None = None):
         self.chat = kind == "chat"
         self.system_fingerprint = system_fingerprint
-        self.tokens_seen = tokens  # the engine's tokens, to send with each delta (`output_ids`)
+        self.engine_tokens = tokens  # the engine's tokens, to send with each delta (`output_ids`)
         self.tokens: dict[int, int] = {}  # completion tokens per choice so far
         self.first_sent = False
         self.prompt_sent = False
@@ -483,9 +494,8 @@ class _StreamDecoder:
         total = (usage or {}).get("completion_tokens", 0)
         count = total - self.tokens.get(index, 0)
         self.tokens[index] = total
-        output_ids = None
-        if self.tokens_seen is not None:  # exactly the tokens since the choice's last delta
-            output_ids = self.tokens_seen.take(index)
+        output_ids = self.engine_tokens.take(index) if self.engine_tokens is not None else None
+        if output_ids is not None:  # exactly the tokens since the choice's last delta
             count = len(output_ids)
         logprobs = choice.get("logprobs")
         if self.chat:
