@@ -142,20 +142,22 @@ class RequestEnvelope(Envelope):
     @property
     def replays_exactly(self) -> bool:
         """A stream whose output the request fixes (greedy, or seeded): run again from its start by
-        a worker that takes it over, it gives the same text, which the gateway joins where its
-        client stood (gateway/fleet/replay.py)."""
+        a worker that takes it over (unless it is continued from its tokens, `continues`), it gives
+        the same text, which the gateway joins where its client stood (gateway/fleet/replay.py)."""
         return self.stream and (self.params.temperature == 0 or self.params.seed is not None)
 
     @property
     def continues(self) -> bool:
-        """A sampled stream that a worker taking it over continues where its client stood
-        (`continued`): a chat answer, or a completion of one string prompt; its n choices each
-        continued where it stood, its logprobs going on with the new tokens. From the tokens its
-        client was sent where its worker sent them (a chat stream through a tool or reasoning
-        parser, whose state the continuation rebuilds from them); else from its text, where that
-        is all it sent. Not one with a structured output or a forced tool call, whose grammar's
-        state a continuation cannot rebuild. Its continuation is a valid sample, not the same one."""
-        if not self.stream or self.replays_exactly:
+        """A stream that a worker taking it over continues where its client stood (`continued`): a
+        chat answer, or a completion of one string prompt; its n choices each continued where it
+        stood, its logprobs going on with the new tokens. From the engine's tokens its client was
+        sent, where its worker sent them (`GenerationChunk.output_ids`); else from its text, where
+        that holds the answer's state (no reasoning or tool call was sent). Not one with a
+        structured output or a forced tool call, whose grammar's state a continuation cannot
+        rebuild, nor a seeded sample (replayed, to give the same sample). A greedy stream continued
+        from its tokens goes on as it would have; one that cannot be is replayed (`Continuation.replay`).
+        A sampled stream's continuation is a valid sample, not the same one."""
+        if not self.stream or (self.params.seed is not None and self.params.temperature != 0):
             return False
         body = self.body
         structured = (body.get("response_format") or {}).get("type", "text") != "text"
@@ -224,6 +226,14 @@ class Continuation(Envelope):
     choices: list[ContinuedChoice]  # the choices not finished yet, each continued from its text
     tokens: NonNegative  # completion tokens sent, of every choice (the finished ones too)
     prompt_tokens: NonNegative  # of the request as the client sent it (the usage it is answered with)
+    # A greedy stream that cannot be continued from its tokens (not all were sent with its deltas): the
+    # worker runs it again from its start instead, and its gateway joins that replay where the client stood.
+    replay: bool = False
+
+    @property
+    def from_tokens(self) -> bool:
+        """Every choice is continued from the engine's tokens."""
+        return bool(self.choices) and all(choice.token_ids is not None for choice in self.choices)
 
 
 class ToolCallDelta(Envelope):

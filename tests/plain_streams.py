@@ -30,16 +30,18 @@ CASES = [
 
 
 async def _stream(adapter, kind: str, body: dict) -> list:
-    from shared.envelopes import RequestEnvelope
+    from shared.envelopes import RequestEnvelope, SamplingOptions
 
+    params = SamplingOptions(temperature=body.get("temperature"), seed=body.get("seed"), n=body.get("n", 1))
     request = RequestEnvelope(request_id=uuid.uuid4().hex, model="tiny", kind=kind, reply_to="-", arrival=0.0,
-                              stream=True, body={**body, "model": "tiny", "stream": True})
+                              stream=True, body={**body, "model": "tiny", "stream": True}, params=params)
     chunks = []
     async for c in adapter.generate(request):
         usage = c.usage and [c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.cached_tokens,
                              c.usage.created_cache_tokens, c.usage.reasoning_tokens]
         chunks.append([c.choice_index, c.text, c.reasoning, c.finish_reason, c.stop_reason, c.token_count,
-                       c.first_token, usage, c.system_fingerprint, c.done, c.error and c.error.message])
+                       c.first_token, usage, c.system_fingerprint, c.done, c.error and c.error.message,
+                       c.output_ids])
     # Several choices' deltas interleave as the engine's outputs come: compare each choice in order.
     return sorted(chunks, key=lambda c: (c[9], c[0]))
 
@@ -57,9 +59,9 @@ async def main(model_dir: str) -> dict:
     await adapter.start()
     plain_chunks, used = vllm._Plain.chunks, []
 
-    def counted(self, system_fingerprint):
+    def counted(self, system_fingerprint, engine_tokens=None):
         used.append(1)
-        return plain_chunks(self, system_fingerprint)
+        return plain_chunks(self, system_fingerprint, engine_tokens)
 
     try:
         vllm._Plain.chunks = counted

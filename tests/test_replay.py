@@ -95,8 +95,9 @@ def _stream(kind="chat", **body) -> RequestEnvelope:
     ("chat", {"temperature": 0.8}, True),
     ("chat", {}, True),
     ("completion", {"temperature": 0.8}, True),
-    ("chat", {"temperature": 0}, False),  # replayed exactly instead
-    ("chat", {"seed": 7}, False),
+    ("chat", {"temperature": 0}, True),  # from its tokens, as it would have gone on (else replayed)
+    ("chat", {"temperature": 0, "seed": 7}, True),
+    ("chat", {"seed": 7}, False),  # replayed, to give the same sample
     ("chat", {"n": 2}, True),  # each choice continued where it stood
     ("chat", {"logprobs": 2}, True),  # the new tokens' logprobs follow
     ("completion", {"n": 3, "logprobs": 1}, True),
@@ -126,6 +127,20 @@ def test_a_chat_stream_under_a_grammar_is_not_continued(body):
     request = _stream()
     request.body.update(body)
     assert not request.continues
+
+
+def test_a_greedy_stream_under_a_grammar_is_replayed_not_continued():
+    request = _stream(temperature=0)
+    request.body.update(structured_outputs={"regex": "a+"})
+    assert not request.continues and request.replays_exactly
+
+
+def test_a_continuation_is_from_tokens_only_where_every_choice_has_them():
+    by_tokens = ContinuedChoice(index=0, text="", tokens=1, token_ids=[5])
+    assert Continuation(choices=[by_tokens], tokens=1, prompt_tokens=2).from_tokens
+    assert not Continuation(choices=[by_tokens, ContinuedChoice(index=1, text="a", tokens=1)], tokens=2,
+                            prompt_tokens=2).from_tokens
+    assert not Continuation(choices=[], tokens=0, prompt_tokens=0, replay=True).from_tokens
 
 
 def test_a_continued_chat_request_goes_on_from_the_text_sent():
@@ -246,3 +261,24 @@ async def test_a_continuation_without_a_stop_across_the_break_passes_as_it_came(
     # a short continuation that ends before the window is full is checked as it is
     out = await _continued("Hello wor", [_delta("l", 1, finish_reason="length"), _ending(1)], stop=["world"])
     assert [(c.text, c.finish_reason) for c in out] == [("l", "length"), ("", "length")]
+
+
+async def test_a_continued_completions_logprob_offsets_go_on_from_the_last_sent_wherever_the_engine_counts_from():
+    """From its text the engine counts offsets from 0; from its tokens, from the answer so far as it
+    decodes it (here one replacement character for the two halves of "é"): either way the client's
+    next offset is the one after the last token it was sent."""
+    from worker.continuing import continuing
+
+    for token_ids, first in ((None, 0), ([195, 169], 1)):
+        state = Continuation(choices=[ContinuedChoice(index=0, text="é", tokens=2, text_offset=2,
+                                                      token_ids=token_ids)], tokens=2, prompt_tokens=3)
+
+        async def engine(first=first):
+            for at, text in ((first, " b"), (first + 2, " c")):
+                yield _delta(text, 1, logprobs={"text_offset": [at], "tokens": [text], "token_logprobs": [-1.0],
+                                                "top_logprobs": [None]})
+            yield _ending(2)
+
+        out = [chunk async for chunk in continuing({0: engine()}, state)]
+        assert [chunk.logprobs["text_offset"] for chunk in out[:-1]] == [[2], [4]], token_ids
+        assert (out[-1].usage.prompt_tokens, out[-1].usage.completion_tokens) == (3, 4)

@@ -24,11 +24,14 @@ def _answer(chunks: list) -> dict:
     has not taken yet, so one run's deltas may be cut otherwise than another's)."""
     *deltas, terminal = chunks
     choices = {}
-    for index, text, reasoning, finish, stop, tokens, first, usage, fingerprint, _done, _error in deltas:
-        choice = choices.setdefault(index, {"text": "", "reasoning": "", "tokens": 0, "ends": [], "fingerprints": []})
+    for index, text, reasoning, finish, stop, tokens, first, usage, fingerprint, _done, _error, ids in deltas:
+        choice = choices.setdefault(index, {"text": "", "reasoning": "", "tokens": 0, "ends": [], "fingerprints": [],
+                                            "ids": [], "with_ids": set()})
         choice["text"] += text or ""
         choice["reasoning"] += reasoning
         choice["tokens"] += tokens
+        choice["ids"] += ids or []
+        choice["with_ids"].add(ids is not None)
         if finish or stop or fingerprint:
             choice["ends"].append([finish, stop, fingerprint])
     firsts = [chunk for chunk in deltas if chunk[6]]
@@ -45,3 +48,12 @@ def test_plain_streams_are_what_vllms_stream_handler_gives(tiny_model_dir):
     for (kind, body), plain, handled in zip(CASES, result["plain"], result["handled"], strict=True):
         assert _answer(plain) == _answer(handled), (kind, body)
         assert plain[-1][9] and plain[-1][10] is None, (kind, body)  # it ended, without an error
+        # A stream another worker can continue sends the engine's tokens of each delta: all of them
+        # (the same tokens both ways, above); a seeded sample (replayed instead) and a completion of
+        # token ids (not continued) send none.
+        continues = "seed" not in body and (kind == "chat" or isinstance(body["prompt"], str))
+        for choice in _answer(plain)["choices"].values():
+            if not continues:
+                assert choice["with_ids"] == {False}, (kind, body)
+            else:
+                assert len(choice["ids"]) == choice["tokens"] > 0 and choice["with_ids"] == {True}, (kind, body)

@@ -1,7 +1,7 @@
 """Continuing a stream where its client stood, on the worker that takes it over (docs/reliability.md).
 
-Each unfinished choice of the stream runs as an engine request of its own, given the text its
-client was sent (`RequestEnvelope.continued`); `continuing` merges their chunks into the rest of
+Each unfinished choice of the stream runs as an engine request of its own, given the engine's
+tokens or the text its client was sent (`RequestEnvelope.continued`); `continuing` merges their chunks into the rest of
 the one stream the client reads: each choice's deltas under its own index, usage counted once, a
 completion's logprob offsets counted on, and a stop string begun before the break found after it.
 """
@@ -19,11 +19,13 @@ async def continuing(parts: dict[int, AsyncIterator[GenerationChunk]],
                       state: Continuation) -> AsyncIterator[GenerationChunk]:
     """The continuations of a stream's choices (`parts`, by choice index) as the rest of the stream
     its client was reading: each choice's deltas under its own index, without the prompt's size, a
-    completion's logprob offsets counted on from the last it was sent, and one first token (the
-    worker times the continuation's prefill by it; the gateway counts only the stream's first);
-    then one terminal chunk with the usage of the whole answer (the prompt as the client sent it,
+    completion's logprob offsets counted on from the last it was sent (wherever the engine counts
+    from: 0 after the text sent; the answer so far, as it decodes it, after its tokens), and one
+    first token (the worker times the continuation's prefill by it; the gateway counts only the
+    stream's first); then one terminal chunk with the usage of the whole answer (the prompt as the client sent it,
     every completion token once)."""
-    offsets = {choice.index: choice.text_offset for choice in state.choices}
+    offsets = {choice.index: choice.text_offset for choice in state.choices}  # each choice's next token's
+    shifts: dict[int, int] = {}  # what each choice's offsets are moved by: from where the engine counts to there
     completion_tokens = state.tokens
     terminals = []
     begun = False
@@ -38,8 +40,10 @@ async def continuing(parts: dict[int, AsyncIterator[GenerationChunk]],
                 chunk.first_token, begun = not begun, True
             chunk.usage = None
             chunk.prompt_token_ids = None
-            if isinstance(chunk.logprobs, dict) and offsets[index]:
-                chunk.logprobs["text_offset"] = [at + offsets[index] for at in chunk.logprobs["text_offset"]]
+            if isinstance(chunk.logprobs, dict) and (counted := chunk.logprobs.get("text_offset")):
+                shift = shifts.setdefault(index, offsets[index] - counted[0])
+                if shift:
+                    chunk.logprobs["text_offset"] = [at + shift for at in counted]
             yield chunk
     if not terminals:
         return  # the runner fails it: no terminal chunk

@@ -154,14 +154,7 @@ class Runner:
         terminal = self._refuse_unstarted(request, stashed, runs)
         state = None
         if terminal is None and runs:
-            await self._note_replay(request, runs)
-            if request.continues:
-                state = await self._continuation(request)
-                if state is None and request.request_id in self.cancel_requested:
-                    terminal = _cancelled_terminal(request)
-                elif state is None:
-                    terminal = _error_terminal(WorkerLost("The worker generating this response stopped mid-stream; "
-                                                          "retry the request."))
+            terminal, state = await self._take_over(request, runs)
         if terminal is None:
             terminal = await self._answer(request, state)
         if request.request_id in self.leases.lost:  # its answer is for the worker that took it over
@@ -202,12 +195,32 @@ class Runner:
             "queue_s": timings.get("queue_s"), "prefill_s": timings.get("prefill_s"),
             "decode_s": timings.get("decode_s"), "reclaimed": reclaimed or None}})
 
+    async def _take_over(self, request: RequestEnvelope, runs: int) -> tuple[GenerationChunk | None,
+                                                                             Continuation | None]:
+        """Take over a stream a dead worker had begun: what to continue it from (None: run it again
+        from its start, for its gateway to join where its client stood), or the terminal chunk that
+        ends it here."""
+        await self._note_replay(request, runs)
+        state = None
+        if request.continues:
+            state = await self._continuation(request)
+            if state is None and request.request_id in self.cancel_requested:
+                return _cancelled_terminal(request), None
+            if state is None or (state.replay and not request.replays_exactly):
+                return _error_terminal(WorkerLost("The worker generating this response stopped mid-stream; "
+                                                  "retry the request.")), None
+            if state.replay:  # a greedy stream whose tokens its gateway does not have all of
+                state = None
+        how = "running it again" if state is None else (
+            "continuing it from the engine's tokens" if state.from_tokens else "continuing it from its text")
+        log.info("request %s: its worker stopped mid-stream; %s (takeover %d of at most %d)", request.request_id,
+                 how, runs, self.migration_limit)
+        return None, state
+
     async def _note_replay(self, request: RequestEnvelope, runs: int) -> None:
         """Count a takeover of a stream a dead worker had begun (its gateway joins or continues it,
         gateway/fleet/replay.py)."""
         metrics.MIGRATIONS.labels(self.model).inc()
-        log.info("request %s: its worker stopped mid-stream; %s (takeover %d of at most %d)", request.request_id,
-                 "continuing it" if request.continues else "running it again", runs, self.migration_limit)
         with contextlib.suppress(RedisError):  # unrecorded, the limit counts this replay at most once less
             await self.batched.set(keys.streamed_key(request.request_id), runs + 1, xx=True, keepttl=True)
 

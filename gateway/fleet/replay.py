@@ -2,9 +2,10 @@
 
 When a worker dies mid-stream, or hands its runs over at its drain deadline, another worker of
 the model takes the request over (the lease lapsed, or was given up; `worker/consumer.py`,
-`reclaim_requests`) and runs it again from its start.
-For a request whose output is fixed by the request itself — greedy (`temperature: 0`) or seeded —
-the second run produces the same text, so the gateway does not end the stream with an error:
+`reclaim_requests`). It continues the stream from the engine's tokens its client was sent, where
+its worker sent them (below), or else runs it again from its start.
+For a request whose output is fixed by the request itself — seeded, or greedy (`temperature: 0`)
+without its tokens — the second run produces the same text, so the gateway does not end the stream with an error:
 `Replay` drops what the takeover sends up to where the client's stream stood, checks that it
 matches what was sent (text and reasoning, character by character; tool-call deltas whole), and
 relays the rest. The client sees one stream, with no gap and no repeat, and the usage of the
@@ -15,13 +16,14 @@ What is not joined, and ends with that error: a takeover delta that carries logp
 call across the point where the client stood (only whole deltas of those are matched). The
 worker bounds how often one request is taken over this way (`--migration-limit`).
 
-A sampled stream (`RequestEnvelope.continues`) is continued instead: when its worker is seen
-dead, its gateway saves what the client was sent (`Sent.continuation`, under
-keys.continuation_key), and the worker that takes it over generates the rest after it
-(`RequestEnvelope.continued`); its chunks follow the client's stream as they come. After the
-engine's tokens, where the worker sent them with each delta (`GenerationChunk.output_ids`: a chat
-stream through a tool or reasoning parser, whose state the new worker rebuilds from them); else
-after its text, where text is all the stream sent.
+Other streams (`RequestEnvelope.continues`) are continued instead: when its worker is seen dead,
+its gateway saves what the client was sent (`Sent.continuation`, under keys.continuation_key),
+and the worker that takes it over generates the rest after it (`RequestEnvelope.continued`); its
+chunks follow the client's stream as they come. After the engine's tokens, where the worker sent
+them with each delta (`GenerationChunk.output_ids`: vLLM's worker does; a tool or reasoning
+parser's state is rebuilt from them, and a greedy stream goes on as it would have); else after
+its text, where text is all the stream sent. A greedy stream without its tokens is saved as one
+to replay (`Continuation.replay`).
 """
 
 from __future__ import annotations

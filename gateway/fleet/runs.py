@@ -201,13 +201,13 @@ class Run:
         if self._next_seq > 0:
             if self._sent is None:
                 self._lost()
-            if self.envelope.replays_exactly:
+            saved, self._continued_from = self._continued_from, None
+            if (saved is not None and saved.replay) or (self.envelope.replays_exactly and not self.envelope.continues):
                 self._replay = Replay(self._sent)
-            elif self._continued_from is None or self._continued_from != self._sent.continuation():
+            elif saved is None or saved != self._sent.continuation():
                 # Not a continuation of what the client has: nothing was saved for it, or more was
                 # relayed since (from the earlier worker, before it learned of its lost lease).
                 self._lost()
-            self._continued_from = None
             self._next_seq = 0
             cause = "drain" if self._registry.was_draining(previous_worker) else "worker_lost"
             metrics.MIGRATIONS.labels(self.envelope.model, cause).inc()
@@ -258,14 +258,18 @@ class Run:
     def _awaiting_takeover(self) -> bool:
         """A stream that a takeover replays or continues waits up to TAKEOVER_WAIT_S for a worker to
         take it over, while one of its model lives to do so; one to be continued first saves what
-        its client was sent, for that worker."""
+        its client was sent, for that worker (a greedy one that cannot be continued from its tokens,
+        that it is to be replayed)."""
         now = time.monotonic()
         if not self._registry.takes_work(self.envelope.model):
             return False
         if not self._lost_at:
             state = None
             if self.envelope.continues:
-                if (state := self._sent.continuation()) is None or self._ready_takeover is None:
+                state = self._sent.continuation()
+                if self.envelope.replays_exactly and (state is None or not state.from_tokens):
+                    state = Continuation(choices=[], tokens=0, prompt_tokens=0, replay=True)
+                if state is None or self._ready_takeover is None:
                     return False
                 self._continued_from = state
             if self._ready_takeover is not None:

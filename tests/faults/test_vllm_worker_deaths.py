@@ -1,14 +1,13 @@
 """vLLM workers that die: SIGKILLed mid-generation, or their engine core dying under them. Never a hang.
 
 - A worker SIGKILLed mid-generation: its non-streaming request is rerun by another vLLM worker of
-  the model with the same answer, its greedy stream goes on, joined where it stood
-  (gateway/fleet/replay.py): the text, finish reason and usage of the uninterrupted answer, and
-  its sampled streams (a chat of two choices and a completion, with logprobs) are continued
-  from where each choice stood, to their full length, counted once, a logprob for every token.
-  The workers run a reasoning parser (deepseek_r1) and a tool parser (hermes): the chat's answer
-  is all reasoning text, so it is continued from the engine's tokens its client was sent, its
-  parsers' state rebuilt from them (one of them offers a tool); the completion, which has no
-  parser, from its text.
+  the model with the same answer; its streams are continued by that worker from the engine's
+  tokens their clients were sent (gateway/fleet/replay.py). The greedy stream goes on as it would
+  have: the text, finish reason and usage of the uninterrupted answer. The sampled streams (a chat
+  of two choices and a completion, with logprobs) are continued from where each choice stood, to
+  their full length, counted once, a logprob for every token. The workers run a reasoning parser
+  (deepseek_r1) and a tool parser (hermes): the chat's answer is all reasoning text, its parsers'
+  state rebuilt from the tokens (one of them offers a tool).
 - A worker whose engine core dies under a running request: the request fails, the worker exits
   non-zero and leaves the registry.
 
@@ -40,6 +39,7 @@ pytestmark = pytest.mark.vllm
 
 MESSAGES = [{"role": "user", "content": "Write about lighthouses."}]
 PROMPT = "Lighthouses stand on the rocks"
+FROM_TOKENS = "continuing it from the engine's tokens"  # the line of a takeover continued from them (worker/runner.py)
 
 
 def _children(pid: int) -> list[tuple[int, str]]:
@@ -71,6 +71,7 @@ def test_vllm_worker_killed_mid_generation(vllm_stack, mortal_worker, mortal_spa
                           json={**request, "model": vllm_stack.model}).json()["choices"][0]["message"]["content"]
     doomed = wait_registered(mortal_worker, ENGINE_START_S)
     rescuer = wait_registered(mortal_spare, ENGINE_START_S)
+    by_tokens = rescuer.log().count(FROM_TOKENS)
     try:
         url = f"{vllm_stack.gateway.url}/v1/chat/completions"
         wait_until_served(vllm_stack.gateway, MORTAL_MODEL)
@@ -192,7 +193,8 @@ def test_vllm_worker_killed_mid_generation(vllm_stack, mortal_worker, mortal_spa
         assert "".join(choice["delta"].get("reasoning") or "" for c in exact for choice in c["choices"]) == thinking
         assert exact[-1]["usage"]["completion_tokens"] == 1500
         assert metric_value(rescuer.url, "llmfleet_worker_reclaimed_total") == 5
-        assert metric_value(rescuer.url, "llmfleet_worker_migrations_total") == 4  # a replay, three continuations
+        assert metric_value(rescuer.url, "llmfleet_worker_migrations_total") == 4
+        assert rescuer.log().count(FROM_TOKENS) == by_tokens + 4  # every stream continued from its tokens
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(rescuer.pid, signal.SIGCONT)
@@ -201,11 +203,12 @@ def test_vllm_worker_killed_mid_generation(vllm_stack, mortal_worker, mortal_spa
 
 def test_vllm_worker_drained_mid_generation(vllm_stack, redis_url, tiny_model_dir, mortal_spare):
     """SIGTERM to a vLLM worker (`--drain-timeout 0.2`) running two streams of 1,900 tokens: at its
-    deadline it hands both to the other worker and exits. A greedy one is replayed there and joined
-    where it stood; a reasoning one sampled from one candidate a token (`top_k: 1`) is continued
-    from the engine's tokens its client was sent, its parser's state rebuilt from them. Each ends as
-    its uninterrupted greedy answer, with no error, its usage counted once."""
+    deadline it hands both to the other worker and exits, which continues each from the engine's
+    tokens its client was sent: a greedy one, and a reasoning one sampled from one candidate a token
+    (`top_k: 1`), its parser's state rebuilt from them. Each ends as its uninterrupted greedy answer,
+    with no error, its usage counted once."""
     rescuer = wait_registered(mortal_spare, ENGINE_START_S)
+    by_tokens = rescuer.log().count(FROM_TOKENS)
     stopping = wait_registered(mortal_vllm_worker(redis_url, tiny_model_dir, "--drain-timeout", "0.2"), ENGINE_START_S)
     no_tags = {str(tag): -100 for tag in range(5, 9)}  # <tool_call>, <think> and their ends: all reasoning
     bodies = {"greedy": {"messages": MESSAGES, "max_tokens": 1900, "temperature": 0, "ignore_eos": True,
@@ -262,10 +265,10 @@ def test_vllm_worker_drained_mid_generation(vllm_stack, redis_url, tiny_model_di
         assert metric_value(rescuer.url, "llmfleet_worker_migrations_total") == rescuer_migrations + 2
         assert metric_value(vllm_stack.gateway.url, "llmfleet_gateway_migrations_total",
                             model=MORTAL_MODEL) == gateway_migrations + 2
-        # The continued stream's worker said it handed it over (the greedy one's rang it without a word: its
-        # cause is a drain only if the gateway's registry saw the draining heartbeat in the drain's 0.2 s).
+        assert rescuer.log().count(FROM_TOKENS) == by_tokens + 2
+        # The streams' worker said it handed them over.
         assert metric_value(vllm_stack.gateway.url, "llmfleet_gateway_migrations_total", model=MORTAL_MODEL,
-                            cause="drain") >= gateway_drains + 1
+                            cause="drain") == gateway_drains + 2
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(rescuer.pid, signal.SIGCONT)

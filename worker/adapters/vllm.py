@@ -16,14 +16,16 @@ them (`_Plain`; tests/test_vllm_plain_streams.py compares the two on one engine)
 is always asked for continuous usage, which gives the token count of every delta; what the
 client sees follows its own `stream_options`, applied by the gateway.
 
-A chat stream through a tool or reasoning parser sends, with each delta, the engine's tokens it
-stands for (`GenerationChunk.output_ids`), for another worker to continue it from where its
-client stood if this one dies or drains: the parser's state is more than the text it sent. The
-worker that continues it (`generate(..., prefix_ids)`) runs the same request through the same
-handler; the engine it sees (`_ClockedEngine`) reads those tokens after the prompt, and first
-hands the handler one output holding them, so that its parsers see the whole answer so far and
-go on from the same state; what the handler makes of that first output the client already has,
-and is dropped (`_after_prefix`).
+A stream that another worker can continue (`RequestEnvelope.continues`) sends, with each delta,
+the engine's tokens it stands for (`GenerationChunk.output_ids`), for another worker to continue
+it from where its client stood if this one dies or drains: exactly (a greedy stream goes on as it
+would have; its text, tokenized again, could be other tokens), and through a tool or reasoning
+parser, whose state is more than the text it sent. The worker that continues it
+(`generate(..., prefix_ids)`) runs the same request through the same handler; the engine it
+sees (`_ClockedEngine`) reads those tokens after the prompt, and first hands the handler one
+output holding them, so that its parsers see the whole answer so far and go on from the same
+state; what the handler makes of that first output the client already has, and is dropped
+(`_after_prefix`).
 
 Time to first token: a whole (non-streaming) response comes as one chunk at its end, so the
 engine the handlers see (`_ClockedEngine`) notes when its first output carrying a token came, and
@@ -264,9 +266,7 @@ class VLLMAdapter(AsyncLLMLifetime, GenerationAdapter, TokenizerAdapter):
                        prefix_ids: list[int] | None = None) -> AsyncIterator[GenerationChunk]:
         if request.kind == "completion":
             self._prompts[request.request_id] = len(request.prompts)
-        tokens = None
-        if prefix_ids or (request.continues and request.kind == "chat" and self.chat.parser_cls is not None):
-            tokens = _Tokens(prefix_ids)
+        tokens = _Tokens(prefix_ids) if prefix_ids or request.continues else None
         chunks = self._generate(request, tokens)
         if prefix_ids:
             chunks = _after_prefix(chunks, tokens)
@@ -290,7 +290,7 @@ class VLLMAdapter(AsyncLLMLifetime, GenerationAdapter, TokenizerAdapter):
         if isinstance(result, ErrorResponse):
             yield _error_chunk(result)
         elif isinstance(result, _Plain):
-            async for chunk in result.chunks(self.system_fingerprint):
+            async for chunk in result.chunks(self.system_fingerprint, tokens):
                 yield chunk
         elif isinstance(result, AsyncIterator):
             async for chunk in _StreamDecoder(request.kind, self.system_fingerprint, tokens).decode(result):
@@ -400,7 +400,10 @@ class _Plain:
         self.request_id = request_id
         self.cache_creation = cache_creation  # chat's usage reports the prefix cache's new blocks too
 
-    async def chunks(self, system_fingerprint: str | None) -> AsyncIterator[GenerationChunk]:
+    async def chunks(self, system_fingerprint: str | None,
+                     engine_tokens: _Tokens | None = None) -> AsyncIterator[GenerationChunk]:
+        """The stream's chunks; with the engine's tokens of each delta (`output_ids`) where
+        `engine_tokens` notes them."""
         tokens: dict[int, int] = {}  # completion tokens per choice so far
         finished: set[int] = set()
         prompt_tokens, cached, created, finish = 0, None, None, None
@@ -429,6 +432,7 @@ class _Plain:
                         yield GenerationChunk(
                             choice_index=index, text=output.text, finish_reason=finish if reason else None,
                             stop_reason=output.stop_reason, token_count=count,
+                            output_ids=engine_tokens.take(index) if engine_tokens is not None else None,
                             first_token=count > 0 and not first_sent,
                             system_fingerprint=system_fingerprint if reason else None,
                             # the gateway's running usage needs the prompt's size
