@@ -1,8 +1,10 @@
-"""The engine as vLLM's handlers see it for a stream continued from the engine's tokens
-(`_ClockedEngine`, worker/adapters/vllm.py): what it notes of each output, and what it asks of the
-engine. The engine under it is a stand-in that answers scripted outputs: a multimodal prompt, one
-of the cases, needs a model this machine cannot run. The whole path on real vLLM is in
-tests/faults/test_vllm_worker_deaths.py."""
+"""A stream continued from the engine's tokens (worker/adapters/vllm.py).
+
+The engine as vLLM's handlers see it (`_ClockedEngine`): what it notes of each output, and what it
+asks of the engine, over a stand-in engine that answers scripted outputs (a multimodal prompt, one
+of the cases, needs a model this machine cannot run). Then a tool call half streamed, continued
+on real vLLM through its hermes parser (tests/tool_call_continuation.py). The whole path, worker
+deaths and drains on real vLLM, is in tests/faults/test_vllm_worker_deaths.py."""
 
 from __future__ import annotations
 
@@ -67,3 +69,47 @@ def test_a_continuation_hands_the_handler_the_answer_so_far_then_the_engines_res
         [1, 2, 3], [7, 8], "<7><8>")
     assert rest.prompt_token_ids == [1, 2, 3]  # the prompt as the client sent it, for its usage and parsers
     assert tokens.passed and tokens.take(0) == [41, 42]  # only the engine's new tokens
+
+
+def test_a_tool_call_half_streamed_is_continued_from_its_tokens_by_vllms_parser(tiny_model_dir):
+    """On real vLLM with the hermes tool parser (tests/tool_call_continuation.py): a call's stream
+    cut in the middle of its arguments and continued from the engine's tokens sent up to there goes
+    on where the client stood: the rest of the arguments, no second call header (its parser's
+    state was rebuilt from the tokens), the whole run's finish, tokens and usage."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.parity.harness import ENGINE_ENV
+
+    ran = subprocess.run([sys.executable, "-m", "tests.tool_call_continuation", tiny_model_dir], capture_output=True,
+                         text=True, timeout=480, env={**os.environ, **ENGINE_ENV}, check=False)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    result = json.loads(ran.stdout.strip().splitlines()[-1])
+    whole, sent, continued = result["whole"], result["whole"][:result["sent"]], result["continued"]
+    assert not [row for row in whole + continued if row[9]], (whole[-1], continued[-1])
+
+    def calls(rows):  # each call's header deltas and its arguments, as a client joins them
+        joined = {}
+        for row in rows:
+            for index, call_id, name, arguments in row[2]:
+                call = joined.setdefault(index, {"headers": [], "arguments": ""})
+                if call_id or name:
+                    call["headers"].append((call_id, name))
+                call["arguments"] += arguments
+        return joined
+
+    (whole_call,) = calls(whole).values()
+    assert [name for _id, name in whole_call["headers"]] == ["get_weather"]
+    assert json.loads(whole_call["arguments"]) == {"city": "Saint-Malo", "note": "lighthouses"}
+    assert calls(sent)[0]["arguments"] and calls(sent)[0]["arguments"] != whole_call["arguments"]  # cut midway
+    assert calls(continued).get(0, {}).get("headers", []) == []  # no second header: the call goes on
+    assert calls(sent)[0]["arguments"] + calls(continued)[0]["arguments"] == whole_call["arguments"]
+    assert [row[3] for row in continued if row[3]][-1] == [row[3] for row in whole if row[3]][-1] == "tool_calls"
+    deltas = [row for row in continued if not row[8]]
+    assert [row[6] for row in deltas if row[4]][:1] == [True]  # the continuation's first token, marked
+    # The engine's tokens of the continuation are the whole run's from the cut on, counted once.
+    tokens = lambda rows: [token for row in rows if not row[8] for token in row[5] or ()]  # noqa: E731
+    assert tokens(sent) + tokens(continued) == tokens(whole)
+    assert continued[-1][7][1] == whole[-1][7][1] - len(tokens(sent))

@@ -70,7 +70,10 @@ class GenerationAdapter(Adapter):
     def generate(self, request: RequestEnvelope, prefix_ids: list[int] | None = None) -> AsyncIterator[GenerationChunk]:
         """Stream the chunks of one request (see the module docstring for the contract). With
         `prefix_ids`, continue its one choice after those tokens of its answer, which its client
-        was already sent: stream only what comes after them, with the usage of the rest alone."""
+        was already sent: stream only what comes after them, with the usage of the rest alone.
+        An engine that can be continued so sends with each delta the tokens it stands for
+        (`GenerationChunk.output_ids`) when the request is one a takeover continues
+        (`RequestEnvelope.continues`), or `prefix_ids` is given (an empty list: from the start)."""
 
     @abstractmethod
     async def abort(self, request_id: str) -> None:

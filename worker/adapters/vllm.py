@@ -266,7 +266,7 @@ class VLLMAdapter(AsyncLLMLifetime, GenerationAdapter, TokenizerAdapter):
                        prefix_ids: list[int] | None = None) -> AsyncIterator[GenerationChunk]:
         if request.kind == "completion":
             self._prompts[request.request_id] = len(request.prompts)
-        tokens = _Tokens(prefix_ids) if prefix_ids or request.continues else None
+        tokens = _Tokens(prefix_ids) if prefix_ids is not None or request.continues else None
         chunks = self._generate(request, tokens)
         if prefix_ids:
             chunks = _after_prefix(chunks, tokens)
