@@ -238,7 +238,8 @@ def _scripted_adapter(settings: WorkerSettings) -> Adapter:
 
     return ScriptedAdapter(settings.name, settings.max_model_len or 4096, settings.scripted_tokens_per_second,
                            settings.scripted_first_token_delay, settings.scripted_prefill_per_token,
-                           settings.scripted_cache_blocks, settings.stream_interval or 1, settings.scripted_loop_stall)
+                           settings.scripted_cache_blocks, settings.stream_interval or 1, settings.scripted_loop_stall,
+                           settings.scripted_engine_tokens)
 
 
 def _read(path: str | None) -> str | None:

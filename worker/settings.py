@@ -35,9 +35,9 @@ class WorkerSettings:
     metrics_port: int = setting(0, "Serve Prometheus metrics, vLLM's `vllm:*` series included, on this port (0: off).")
     claim_idle_s: float = setting(3.0, "Seconds a dead worker's unanswered request waits before it is taken over.")
     migration_limit: int = setting(3, "Times one stream may be taken over by another worker after its worker died "
-                                   "mid-stream: a greedy or seeded one is run again from its start and joined "
-                                   "where its client stood, a sampled one continued from the text its client was "
-                                   "sent. Past it, or 0, such a stream ends with an error.")
+                                   "mid-stream: continued from the engine's tokens its client was sent (a seeded "
+                                   "one run again from its start and joined where its client stood). Past it, or "
+                                   "0, such a stream ends with an error.")
     drain_timeout_s: float = setting(30.0, "Seconds a stopping worker (SIGTERM) lets its runs finish; then it hands the "
                                      "streams and the non-streaming requests still running to the model's other "
                                      "workers, if one takes work (a stream goes on where its client stood; a "
@@ -108,6 +108,9 @@ class WorkerSettings:
     scripted_seconds_per_input: float = setting(0.0, "Scripted engine with --runner pooling: seconds each input "
                                                 "costs, paid one request at a time (an engine's compute), so a worker "
                                                 "encodes at most 1/this inputs a second (0: no cost).")
+    scripted_engine_tokens: bool = setting(True, "Scripted engine: send the engine's tokens with each delta, as vLLM's "
+                                           "worker does, so that a takeover continues its streams from them (off: "
+                                           "from their text, or replayed).")
     scripted_cache_blocks: int = setting(100_000, "Scripted engine: blocks of 16 tokens its simulated prefix cache "
                                          "holds (the least recently used go first), as a KV cache of that size.",
                                          minimum=1)

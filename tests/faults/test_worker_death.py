@@ -200,13 +200,14 @@ def _stream_chunks(body_text: str) -> list[dict]:
 
 @contextlib.contextmanager
 def _a_stream_whose_worker_dies(redis_url, gateway, path: str, body: dict, lines_before: int,
-                                *rescuer_args: str, headers: dict | None = None, temperature: float = 0):
-    """POST a stream of 60 tokens to `path` on a scripted worker (20 tokens/s), SIGKILL the worker
-    after `lines_before` lines and start another; yields (model, rescuer, every line of the
-    stream). `body` has no model: the model is new for each call. Greedy, or sampled with a
-    `temperature` (the scripted engine's text is the same)."""
+                                *rescuer_args: str, headers: dict | None = None, temperature: float = 0,
+                                doomed_args: tuple[str, ...] = ()):
+    """POST a stream of 60 tokens to `path` on a scripted worker (20 tokens/s, `doomed_args`),
+    SIGKILL the worker after `lines_before` lines and start another; yields (model, rescuer, every
+    line of the stream). `body` has no model: the model is new for each call. Greedy, or sampled
+    with a `temperature` (the scripted engine's text is the same)."""
     model = f"doomed-{uuid.uuid4().hex[:6]}"
-    doomed = start_worker(redis_url, model, "--scripted-tokens-per-second", "20")
+    doomed = start_worker(redis_url, model, "--scripted-tokens-per-second", "20", *doomed_args)
     rescuer = None
     try:
         wait_until_served(gateway, model)
@@ -228,19 +229,31 @@ def _events(lines: list[str]) -> list[dict]:
     return [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
 
 
-@pytest.mark.parametrize(("temperature", "migration_limit"), [(0, 3), (0, 0), (0.8, 3), (0.8, 0)])
-def test_a_stream_goes_on_on_another_worker_when_its_worker_dies(redis_url, redis_client, gateway, temperature,
-                                                                 migration_limit):
-    """SIGKILL of the worker streaming a request: the worker that takes it over runs a greedy one
-    again, and the gateway joins that replay where the client's stream stood; it continues a
-    sampled one from the text its gateway saved (the scripted engine goes on with its script after
-    that text): gateway/fleet/replay.py. Either way one stream, no error, no text repeated or
-    missing, usage counted once. With --migration-limit 0 the stream ends with the error it had
-    before."""
-    body = {**_body("", True, 60), "stream_options": {"include_usage": True}}
+FROM_TOKENS, FROM_TEXT, AGAIN = "continuing it from the engine's tokens", "continuing it from its text", \
+    "running it again"  # the rescuer's word for how it takes a stream over (worker/runner.py)
+
+
+@pytest.mark.parametrize(("sampling", "engine_tokens", "migration_limit", "how"), [
+    ({"temperature": 0}, True, 3, FROM_TOKENS), ({"temperature": 0}, False, 3, AGAIN),
+    ({"temperature": 0.8}, True, 3, FROM_TOKENS), ({"temperature": 0.8}, False, 3, FROM_TEXT),
+    ({"temperature": 0.8, "seed": 7}, True, 3, AGAIN),
+    ({"temperature": 0}, True, 0, None), ({"temperature": 0.8}, True, 0, None)])
+def test_a_stream_goes_on_on_another_worker_when_its_worker_dies(redis_url, redis_client, gateway, sampling,
+                                                                 engine_tokens, migration_limit, how):
+    """SIGKILL of the worker streaming a request: the worker that takes it over continues it from
+    the engine's tokens its client was sent, which its worker sent with each delta (the scripted
+    engine, as vLLM's worker, goes on after them). From a worker that did not send them, a greedy
+    stream is run again, and the gateway joins that replay where the client's stream stood; a
+    sampled one is continued from the text its gateway saved (the scripted engine goes on with its
+    script after that text); a seeded one is run again whatever it sent (the same sample):
+    gateway/fleet/replay.py. Either way one stream, no error, no text repeated or missing, usage
+    counted once. With --migration-limit 0 the stream ends with the error it had before."""
+    body = {**_body("", True, 60), "stream_options": {"include_usage": True}, **sampling}
+    tokens = () if engine_tokens else ("--no-scripted-engine-tokens",)
     # 12 lines: the role chunk and some tokens, with their blank lines.
     with _a_stream_whose_worker_dies(redis_url, gateway, "/v1/chat/completions", body, 12, "--migration-limit",
-                                     str(migration_limit), temperature=temperature) as (model, rescuer, lines):
+                                     str(migration_limit), *tokens, temperature=sampling["temperature"],
+                                     doomed_args=tokens) as (model, rescuer, lines):
         text = "\n".join(lines)
         chunks = _stream_chunks(text)
         if migration_limit == 0:
@@ -258,6 +271,7 @@ def test_a_stream_goes_on_on_another_worker_when_its_worker_dies(redis_url, redi
         assert metric_value(gateway.url, "llmfleet_gateway_migrations_total", model=model) == 1
         # The takeover's own prefill is timed once (its first token), for a replay and a continuation alike.
         assert metric_value(rescuer.url, "llmfleet_worker_time_to_first_token_seconds_count") == 1
+        assert how in rescuer.log()
         wait_for(lambda: not leftover_keys(redis_client), 10, "the request's keys to be settled")
 
 

@@ -1,12 +1,18 @@
 """A model-free adapter that generates deterministic text, for tests and gateway benchmarks.
 
 The script: the words of the prompt (the last user message for chat) repeated in order, one
-word per token, until `max_tokens` (16 when unset) or a stop string. A chat request that
-continues a final assistant message (`continue_final_message`) goes on with the script after
-that message's words. Prompt tokens are the words of every message. With n > 1 every choice
-gets the same words, prefixed by its number among its prompt's choices ("1:hello") when that is
-not 0, so choices are told apart. A completion with several prompts answers each, its n choices
-at indexes prompt * n + choice.
+word per token, until `max_tokens` (16 when unset) or a stop string. Prompt tokens are the
+words of every message. With n > 1 every choice gets the same words, prefixed by its number
+among its prompt's choices ("1:hello") when that is not 0, so choices are told apart. A
+completion with several prompts answers each, its n choices at indexes prompt * n + choice.
+
+Continuations, as a takeover asks for them: as vLLM's worker does, it sends with each delta of a
+stream a takeover continues the engine's tokens (`output_ids`; a word's token is its place in the
+script), and goes on after such tokens (`prefix_ids`). A chat request that continues a final
+assistant message (`continue_final_message`) goes on with the script after that message's words.
+With `engine_tokens` off it sends no tokens, so that its streams are continued from their text or
+replayed, as those of an engine that cannot give them. A continued choice's words come without
+its number.
 Media content parts (images, audio) are not read. Pacing options make a run slow
 to start or slow to stream, so tests can cancel or kill it at a chosen point. With a
 `stream_interval` of N, as vLLM's `--stream-interval`, a choice's first token is sent at once and
@@ -122,8 +128,10 @@ class ScriptedAdapter(GenerationAdapter):
         cache_blocks: int = CACHE_BLOCKS,
         stream_interval: int = 1,
         loop_stall: float = 0.0,
+        engine_tokens: bool = True,
     ):
         super().__init__(served_model_name, max_model_len)
+        self.engine_tokens = engine_tokens
         self.token_interval = 1.0 / tokens_per_second if tokens_per_second > 0 else 0.0
         self.stream_interval = stream_interval
         self.first_token_delay = first_token_delay
@@ -140,8 +148,9 @@ class ScriptedAdapter(GenerationAdapter):
 
     async def generate(self, request: RequestEnvelope,
                        prefix_ids: list[int] | None = None) -> AsyncIterator[GenerationChunk]:
-        # Its chunks name no engine tokens (`output_ids`), so its streams are continued from their text.
-        assert prefix_ids is None, "the scripted engine continues from text only"
+        if prefix_ids is not None and not self.engine_tokens:
+            raise ValueError("This engine does not continue from tokens (--no-scripted-engine-tokens).")
+        tokens = self.engine_tokens and (prefix_ids is not None or request.continues)
         prompts = script_words(request)
         params = request.params
         if (prompt_tokens := max(tokens for _words, tokens in prompts)) > self.max_model_len:
@@ -150,7 +159,7 @@ class ScriptedAdapter(GenerationAdapter):
                 f"prompt contains at least {prompt_tokens} input tokens.",
                 param="input_tokens",
             )
-        max_tokens = params.max_tokens or DEFAULT_MAX_TOKENS
+        max_tokens = (params.max_tokens or DEFAULT_MAX_TOKENS) - len(prefix_ids or ())
         aborted = self._aborts[request.request_id] = asyncio.Event()
         cached = None
         answer: list[str] = []  # the first choice's text, cached with the prompt once it ends
@@ -161,7 +170,8 @@ class ScriptedAdapter(GenerationAdapter):
                 async with self._prefill:
                     await self._pause((len(tokens) - cached) * self.prefill_per_token, aborted)
             async for chunk in self._run(prompts, max_tokens, params.n, params.stop or [], aborted,
-                                         params.logprobs, request.kind, words_written(request)):
+                                         params.logprobs, request.kind, words_written(request) + len(prefix_ids or ()),
+                                         tokens):
                 if chunk.done:
                     chunk.usage.cached_tokens = cached
                     if self.cache is not None and len(prompts) == 1:
@@ -179,7 +189,7 @@ class ScriptedAdapter(GenerationAdapter):
         else:
             await asyncio.sleep(0)  # let cancels and other requests in between tokens
 
-    async def _run(self, prompts, max_tokens, n, stops, aborted, logprobs, kind, written=0):
+    async def _run(self, prompts, max_tokens, n, stops, aborted, logprobs, kind, written=0, tokens=False):
         await self._pause(self.first_token_delay, aborted)
         if self.loop_stall:
             time.sleep(self.loop_stall)  # blocking on purpose: nothing else on the loop runs meanwhile
@@ -201,6 +211,8 @@ class ScriptedAdapter(GenerationAdapter):
                 piece = (word if at == 0 else " " + word) if choice == 0 else f"{' ' if at else ''}{choice}:{word}"
                 generated += 1
                 chunk = _delta(index, piece, generated == 1, logprobs, kind, len(texts[index]))
+                if tokens:
+                    chunk.output_ids = [at]
                 if texts[index] == "":  # the prompt's size, for running usage
                     chunk.usage = Usage(prompt_tokens=prompt_tokens)
                 texts[index] += piece
