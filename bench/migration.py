@@ -4,10 +4,11 @@ Scripted workers (`--workers`, each at `--tokens-per-second`), one gateway and R
 processes with the product's defaults (`--claim-idle` 3 s, heartbeat and lease TTL 3 s).
 `--clients` clients send streams (`--max-tokens` each) back to back for `--seconds`. Every
 `--kill-every` seconds one worker, chosen at random, is SIGKILLed and a new one started in its
-place. A stream whose worker dies goes on on another worker (gateway/fleet/replay.py): a greedy
-one (`temperature: 0`) is run again and joined where it stood; a sampled one (`temperature: 0.8`)
-is continued from the text its client was sent. One run for each of `--temperatures` (default:
-both kinds), on fresh processes. With `--before REF`, each run is made twice, llmfleet as of git
+place. A stream whose worker dies goes on on another worker (gateway/fleet/replay.py), greedy
+(`temperature: 0`) or sampled (`temperature: 0.8`): continued from the engine's tokens its client
+was sent (the scripted engine sends a token per word, as vLLM's worker sends its tokens; before
+2026-11-27, a greedy one was run again and joined where it stood, a sampled one continued from its
+text). One run for each of `--temperatures` (default: both kinds), on fresh processes. With `--before REF`, each run is made twice, llmfleet as of git
 revision REF first (its gateway and workers from `git archive REF`), then this tree: the pause
 before and after a change, from one run of the bench.
 
@@ -116,7 +117,7 @@ def run(seconds: float, clients: int, workers: int, kill_every: float, tokens_pe
 
 
 def _kind(run_: dict) -> str:
-    kind = "greedy (replayed)" if run_["temperature"] == 0 else f"sampled, {run_['temperature']:g} (continued)"
+    kind = "greedy" if run_["temperature"] == 0 else f"sampled, {run_['temperature']:g}"
     return kind if run_.get("revision", "this tree") == "this tree" else f"{kind}, {run_['revision']}"
 
 

@@ -310,17 +310,19 @@ class GenerationChunk(Envelope):
     # The prompt's token ids where the engine's server sends them (`return_token_ids`, echo): on a
     # choice's first delta; on the terminal chunk of a whole chat answer.
     prompt_token_ids: list[int] | None = None
-    # Terminal only: the worker's stage times, seconds (queue_s, prefill_s, decode_s), when the
-    # engine produced the first token and when it finished (first_token_at, finished_at: wall
-    # clock), for the gateway's per-request timings and its time to first token.
+    # The worker's stage times, seconds (queue_s, prefill_s, decode_s), when the engine produced the
+    # first token and when it finished (first_token_at, finished_at: wall clock), for the gateway's
+    # per-request timings and its time to first token: on the terminal chunk; and prefill_s and
+    # first_token_at on a stream's first token, which its gateway keeps should the stream be taken over
+    # (then the terminal's also say what the takeovers added: migration_s, migrations, migrated_at).
     timings: dict[str, float] | None = None
     # Wall clock of the engine's first token, when it came before this chunk: set by an adapter
     # whose engine builds whole responses (one chunk for the whole answer). 0: when the chunk came.
     first_token_at: Seconds = 0.0
     token_ids: list[int] | None = None  # this delta's tokens, when the client asked (`return_token_ids`)
     # The engine's tokens this delta stands for, held-back ones included, for a takeover to continue
-    # the stream from (never shown to the client): sent where a parser's state is more than the text
-    # (a chat stream through a tool or reasoning parser).
+    # the stream from (never shown to the client): sent with the deltas of a stream a takeover
+    # continues (`RequestEnvelope.continues`), by a worker whose engine can go on after them.
     output_ids: list[int] | None = None
     prompt_logprobs: list[Any] | None = None  # terminal of a whole chat answer: the prompt's logprobs, if asked
     # Terminal only, of an encoder's answer (embed, score, rerank, classify, pooling): one pooled
@@ -341,7 +343,8 @@ class GenerationChunk(Envelope):
         return (self.is_delta_only and other.is_delta_only and self.choice_index == other.choice_index
                 and (self.text is None) == (other.text is None) and bool(self.reasoning) == bool(other.reasoning)
                 and type(self.logprobs) is type(other.logprobs) and type(self.token_ids) is type(other.token_ids)
-                and type(self.output_ids) is type(other.output_ids) and other.prompt_token_ids is None)
+                and type(self.output_ids) is type(other.output_ids) and other.prompt_token_ids is None
+                and other.timings is None)
 
     def absorb(self, other: GenerationChunk) -> None:
         """Append the next delta (see `can_absorb`) to this one."""

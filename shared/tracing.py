@@ -84,8 +84,9 @@ def _ns(seconds: float) -> int:
 
 
 def gateway_stages(span, arrival: float, timings: dict[str, float] | None, now: float) -> None:
-    """`queue` (arrival to a worker's claim) and `relay` (the worker's end to this gateway) under
-    the request's span."""
+    """`queue` (arrival to a worker's claim), `migration` (from when a takeover's pause began, for
+    as long as the takeovers paused the stream, where it was taken over) and `relay` (the worker's
+    end to this gateway) under the request's span."""
     if not timings:
         return
     from opentelemetry.trace import set_span_in_context
@@ -93,6 +94,10 @@ def gateway_stages(span, arrival: float, timings: dict[str, float] | None, now: 
     context = set_span_in_context(span)
     if (queued := timings.get("queue_s")) is not None:
         _tracer.start_span("queue", context=context, start_time=_ns(arrival)).end(end_time=_ns(arrival + queued))
+    if migrated_at := timings.get("migrated_at"):
+        _tracer.start_span("migration", context=context, start_time=_ns(migrated_at),
+                           attributes={"llmfleet.migrations": timings.get("migrations", 1)}).end(
+            end_time=_ns(migrated_at + timings.get("migration_s", 0.0)))
     if (finished := timings.get("finished_at")) is not None:
         _tracer.start_span("relay", context=context, start_time=_ns(finished)).end(end_time=_ns(max(now, finished)))
 

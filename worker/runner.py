@@ -396,6 +396,9 @@ class Runner:
                 if chunk.first_token:
                     state.first_token(chunk.first_token_at)
                     metrics.PREFILL_TIME.labels(self.model).observe(state.first_token_at - state.started)
+                    if not chunk.done:  # a stream's: its gateway keeps them, should another worker take it over
+                        chunk.timings = {"prefill_s": state.first_token_at - state.started,
+                                         "first_token_at": state.first_token_wall}
                 if chunk.done:
                     chunk.timings = state.timings(self.model)
                 if request_id in self.cancel_requested and not state.reaborted:

@@ -112,6 +112,12 @@ class Run:
         self._replay: Replay | None = None
         self._lost_at = 0.0  # when (monotonic) its streaming worker was seen dead; 0: it was not
         self._paused_at = 0.0  # when (monotonic) a stream taken over last heard from its old worker, until it goes on
+        # Takeovers of a stream that had reached its client, and the pauses they added, for the request's
+        # timings (`_whole_timings`); and its first worker's prefill and first token (its first delta's timings).
+        self.migrations = 0
+        self.migration_s = 0.0
+        self._migrated_at = 0.0  # wall clock: when its first takeover's pause began
+        self._first_timings: dict[str, float] | None = None
         self._worker_gone = False  # its worker said it handed the stream over (`GenerationChunk.handed_over`)
 
     async def chunks(self) -> AsyncIterator[GenerationChunk]:
@@ -165,8 +171,14 @@ class Run:
                 if self._replay is not None and (chunk := self._joined(chunk)) is None:
                     continue
                 if self._paused_at:  # the first new output of a takeover
-                    metrics.MIGRATION_PAUSE.labels(self.envelope.model).observe(time.monotonic() - self._paused_at)
+                    pause = time.monotonic() - self._paused_at
+                    metrics.MIGRATION_PAUSE.labels(self.envelope.model).observe(pause)
+                    self.migration_s += pause
                     self._paused_at = 0.0
+                if chunk.first_token and chunk.timings and self._first_timings is None:
+                    self._first_timings = chunk.timings
+                if chunk.done and self.migrations:
+                    chunk.timings = self._whole_timings(chunk.timings)
                 if self._sent is not None:
                     self._sent.add(chunk)
                 if chunk.done:
@@ -212,7 +224,26 @@ class Run:
             cause = "drain" if self._registry.was_draining(previous_worker) else "worker_lost"
             metrics.MIGRATIONS.labels(self.envelope.model, cause).inc()
             self._paused_at = last_heard
+            self.migrations += 1
+            self._migrated_at = self._migrated_at or time.time() - (time.monotonic() - last_heard)
         self._lease = lease
+
+    def _whole_timings(self, last: dict[str, float] | None) -> dict[str, float]:
+        """The stage times of a stream taken over, as one request's: its queue, prefill and first
+        token from its first worker (its first delta's timings; the queue is the time to that
+        worker's start, on the same two clocks as the time to first token), the pauses its takeovers
+        added (`migration_s`, from `migrated_at`), and the decode, the rest up to the end its last
+        worker gives (`finished_at`)."""
+        timings = dict(last or {})
+        first = self._first_timings or {}
+        if (first_token_at := first.get("first_token_at")) is not None:
+            prefill = first.get("prefill_s", 0.0)
+            timings.update(first_token_at=first_token_at, prefill_s=prefill,
+                           queue_s=max(0.0, first_token_at - prefill - self.envelope.arrival))
+            if (finished_at := timings.get("finished_at")) is not None:
+                timings["decode_s"] = max(0.0, finished_at - first_token_at - self.migration_s)
+        timings.update(migration_s=self.migration_s, migrations=self.migrations, migrated_at=self._migrated_at)
+        return timings
 
     def _lost(self) -> NoReturn:
         """End the response: its worker stopped mid-stream, and no takeover can go on from there."""

@@ -161,7 +161,8 @@ def _account(scope: Scope, facts: dict[str, Any], elapsed: float) -> None:
             "family": family, "model": model or None, "status": status, "total_s": elapsed,
             "ttft_s": facts.get("ttft_s"), "queue_s": facts.get("queue_s"), "prompt_tokens": facts.get("prompt_tokens"),
             "completion_tokens": facts.get("completion_tokens"), "worker": facts.get("worker"),
-            "cancel": facts.get("cancel"), "request": facts.get("engine_request_id")}})
+            "cancel": facts.get("cancel"), "request": facts.get("engine_request_id"),
+            "migrations": (facts.get("worker_timings") or {}).get("migrations")}})
 
 
 def log_request(elapsed: float) -> None:
@@ -178,7 +179,8 @@ def log_request(elapsed: float) -> None:
         "status": status, "outcome": outcome, "cancel": facts.get("cancel"),
         "prompt_tokens": facts.get("prompt_tokens"), "completion_tokens": facts.get("completion_tokens"),
         "ttft_s": facts.get("ttft_s"), "queue_s": worker.get("queue_s"), "prefill_s": worker.get("prefill_s"),
-        "decode_s": worker.get("decode_s"), "total_s": elapsed, "worker": facts.get("worker")}})
+        "decode_s": worker.get("decode_s"), "migration_s": worker.get("migration_s"),
+        "migrations": worker.get("migrations"), "total_s": elapsed, "worker": facts.get("worker")}})
 
 
 # Probes and scrapes: answered many times a minute, never about a request.

@@ -178,17 +178,18 @@ class Formatter:
 
 def request_timings(terminal: GenerationChunk, arrival: float) -> dict[str, float | None]:
     """One request's stage times, seconds: queue (arrival to a worker's claim), prefill (to the
-    first token), decode (first token to last), relay (the worker's end to this gateway), total
-    (arrival to now), time to first token (arrival to the engine's first token), and completion
-    tokens per second of decode. Worker and gateway clocks meet in `relay` and `ttft`, which are
-    only as right as they agree."""
+    first token), decode (first token to last), migration (what takeovers of the stream by other
+    workers added: the pauses its client saw; 0 without one), relay (the worker's end to this
+    gateway), total (arrival to now), time to first token (arrival to the engine's first token),
+    and completion tokens per second of decode. Worker and gateway clocks meet in `relay` and
+    `ttft`, which are only as right as they agree."""
     now = time.time()
     worker = terminal.timings or {}
     decode = worker.get("decode_s")
     tokens = terminal.usage.completion_tokens if terminal.usage is not None else 0
     finished_at, first_token_at = worker.get("finished_at"), worker.get("first_token_at")
     return {"queue_s": worker.get("queue_s"), "prefill_s": worker.get("prefill_s"), "decode_s": decode,
-            "relay_s": max(0.0, now - finished_at) if finished_at else None, "total_s": now - arrival,
+            "migration_s": worker.get("migration_s", 0.0), "relay_s": max(0.0, now - finished_at) if finished_at else None, "total_s": now - arrival,
             "ttft_s": max(0.0, first_token_at - arrival) if first_token_at else None,
             "completion_tokens_per_s": tokens / decode if decode else None}
 

@@ -248,7 +248,7 @@ def test_a_stream_goes_on_on_another_worker_when_its_worker_dies(redis_url, redi
     script after that text); a seeded one is run again whatever it sent (the same sample):
     gateway/fleet/replay.py. Either way one stream, no error, no text repeated or missing, usage
     counted once. With --migration-limit 0 the stream ends with the error it had before."""
-    body = {**_body("", True, 60), "stream_options": {"include_usage": True}, **sampling}
+    body = {**_body("", True, 60), "stream_options": {"include_usage": True, "include_timings": True}, **sampling}
     tokens = () if engine_tokens else ("--no-scripted-engine-tokens",)
     # 12 lines: the role chunk and some tokens, with their blank lines.
     with _a_stream_whose_worker_dies(redis_url, gateway, "/v1/chat/completions", body, 12, "--migration-limit",
@@ -272,6 +272,14 @@ def test_a_stream_goes_on_on_another_worker_when_its_worker_dies(redis_url, redi
         # The takeover's own prefill is timed once (its first token), for a replay and a continuation alike.
         assert metric_value(rescuer.url, "llmfleet_worker_time_to_first_token_seconds_count") == 1
         assert how in rescuer.log()
+        # One request's timings, the takeover a stage of them: the queue and prefill are the first
+        # worker's (at once, not the rescuer's wait for the death to be seen), the pause the client saw is
+        # the migration, and the decode is the rest.
+        timings = chunks[-1]["timings"]
+        assert timings["queue_s"] < 0.5 and timings["prefill_s"] < 0.5, timings
+        assert timings["migration_s"] > 0.3, timings
+        stages = sum(timings[stage] for stage in ("queue_s", "prefill_s", "migration_s", "decode_s", "relay_s"))
+        assert stages == pytest.approx(timings["total_s"], abs=0.1), timings
         wait_for(lambda: not leftover_keys(redis_client), 10, "the request's keys to be settled")
 
 
