@@ -9,6 +9,9 @@ generation request to the embedding model are checked beside them.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -16,8 +19,9 @@ import numpy as np
 import openai
 import pytest
 
-from tests.parity.encoders import CLASSIFIER, MODEL, cases, classifier_cases, differences
-from tests.procs import LOG_DIR
+from tests.parity.encoders import CLASSIFIER, MODEL, TOO_LONG, cases, classifier_cases, differences
+from tests.procs import LOG_DIR, metric_value
+from worker.consumer import CLAIM_BLOCK_MS
 
 pytestmark = pytest.mark.vllm
 
@@ -104,3 +108,42 @@ def test_generation_on_the_embedding_model_is_refused(servers):
     assert "does not support the Chat Completions API" in refused.json()["error"]["message"]
     cards = {m["id"]: m for m in httpx.get(f"{fleet_url}/v1/models", timeout=10).json()["data"]}
     assert cards[MODEL]["kinds"] == ["tokenize", "detokenize", "embed", "score", "rerank", "pooling"]
+
+
+def test_requests_that_reach_the_worker_together_are_encoded_together_each_with_its_own_answer(servers,
+                                                                                              encoder_pair):
+    """Many clients' requests waiting together: the worker claims them in one read and encodes those
+    of the same options with one call of vLLM's handler (worker/adapters/vllm_pooling.py). Each
+    still gets its own answer, as `vllm serve` gives it: its vectors, its prompt tokens; one with a
+    token outside the vocabulary gets its own 400 (its call refused, the requests it was to share
+    it with are encoded alone), and the rest their answers all the same."""
+    vllm_url, fleet_url = servers
+    bodies = [{"model": MODEL, "input": f"The sea number {i} is calm tonight."} for i in range(40)]
+    bodies += [{"model": MODEL, "input": ["a tide of words", "hello there"]},
+               {"model": MODEL, "input": "in base64", "encoding_format": "base64"},
+               {"model": MODEL, "input": [11, 42, 300]}, {"model": MODEL, "input": [[11, 42], [7, 8, 9]]},
+               {"model": MODEL, "input": [5, 10_000_000]}]  # out of the vocabulary: refused, and the others not
+    url = f"{encoder_pair.worker.url}"
+    calls_before = metric_value(url, "llmfleet_worker_encode_call_requests_count", kind="embed")
+    alone_before = metric_value(url, "llmfleet_worker_encode_call_requests_bucket", kind="embed", le="1.0")
+    with httpx.Client(timeout=120) as client, ThreadPoolExecutor(len(bodies)) as pool:
+        expected = [_answer(client, vllm_url, "/v1/embeddings", body) for body in bodies]
+        # The worker sits out while they queue (less than its heartbeat's 3 s), then claims them in one
+        # read: its last blocking read has ended in Redis before they are sent.
+        os.kill(encoder_pair.worker.pid, signal.SIGSTOP)
+        try:
+            time.sleep(1.2 * CLAIM_BLOCK_MS / 1000)
+            sent = [pool.submit(_answer, client, fleet_url, "/v1/embeddings", body) for body in bodies]
+            time.sleep(0.6)
+        finally:
+            os.kill(encoder_pair.worker.pid, signal.SIGCONT)
+        answers = [future.result() for future in sent]
+    assert [status for status, _ in answers] == [status for status, _ in expected] == [200] * (len(bodies) - 1) + [400]
+    for body, (_, answer), (_, theirs) in zip(bodies[:-1], answers, expected, strict=False):
+        assert not (found := differences(theirs, answer)), (body["input"], found[:3])
+    calls = metric_value(url, "llmfleet_worker_encode_call_requests_count", kind="embed") - calls_before
+    alone = metric_value(url, "llmfleet_worker_encode_call_requests_bucket", kind="embed", le="1.0") - alone_before
+    print(f"{len(bodies)} requests in {calls:.0f} calls of the handler, {alone:.0f} of them alone")
+    # The 42 texts in a call or two (as the worker's claims reach the encoder), the three requests of
+    # token ids alone (their call refused).
+    assert calls <= 6 and alone <= 4, (calls, alone)

@@ -47,6 +47,10 @@ ENCODED_TOKENS = Counter("llmfleet_worker_encoded_tokens_total", "Input tokens a
 ENCODE_TIME = Histogram("llmfleet_worker_encode_seconds", "From the engine taking an encoder request to its answer, "
                         "by kind of request", ["model", "kind"],
                         buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+ENCODE_CALL_REQUESTS = Histogram("llmfleet_worker_encode_call_requests", "Requests answered by one call of the "
+                                 "engine's handler (a vLLM encoder worker encodes requests of the same options that "
+                                 "come together in one), by kind of request", ["model", "kind"],
+                                 buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
 
 
 def start_series(model: str, kinds: tuple[str, ...]) -> None:
@@ -58,3 +62,4 @@ def start_series(model: str, kinds: tuple[str, ...]) -> None:
             ENCODED_INPUTS.labels(model, kind)
             ENCODED_TOKENS.labels(model, kind)
             ENCODE_TIME.labels(model, kind)
+            ENCODE_CALL_REQUESTS.labels(model, kind)

@@ -17,16 +17,26 @@ The kinds a worker announces are what its model serves, as `vllm serve` register
 embed for an embedding model; classify for a classifier; score and rerank for an embedding model
 or a classifier with one label; pooling for every pooling model; tokenize and detokenize always.
 
+Requests encoded together: many clients' small requests reach a worker at once (it claims every
+waiting entry it has room for in one read), and vLLM's handler costs about as much per request as
+per input. So the embed, classify and pooling requests that reach `encode` in the same turn of
+the event loop, each a list of inputs with the same options otherwise, go through one call of the
+handler (`_Merged`), and each request gets its own inputs' outputs and prompt tokens back. If that
+call is refused (one request's input is bad), each request is encoded alone, for its own answer.
+
 Cancellation: the runner cancels the task awaiting `encode`; the handler's engine generators
-are closed with it, which aborts their engine requests (`AsyncLLM.encode`).
+are closed with it, which aborts their engine requests (`AsyncLLM.encode`). A request encoded with
+others stops waiting; their call is cancelled when every one of them has.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import orjson
 import pydantic
 import torch
 from vllm import AsyncEngineArgs
@@ -51,6 +61,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from shared.envelopes import API_NAMES, GenerationChunk, Pooled, RequestEnvelope, Usage
 from shared.errors import InvalidRequest
+from worker import metrics
 from worker.adapters.base import ENCODER_KINDS, TOKENIZER_KINDS, EncoderAdapter, TokenizerAdapter
 from worker.adapters.vllm import AsyncLLMLifetime, _error_chunk, _refusal, answer_tokenizer
 
@@ -63,6 +74,63 @@ _REQUESTS: dict[str, pydantic.TypeAdapter] = {
 # Where a kind's body may be another API's (`RequestEnvelope.api`): an embed from Cohere's /v2/embed,
 # which vLLM's embedding handler reads as Cohere's (its prompts, truncation and input types).
 _OTHER_APIS: dict[tuple[str, str], pydantic.TypeAdapter] = {("embed", "cohere"): pydantic.TypeAdapter(CohereEmbedRequest)}
+
+
+# Kinds whose requests are encoded together (`_Merged`), and the body fields that may differ between them:
+# the outputs do not depend on them (the gateway writes the encoding; `user` is the client's tag).
+_MERGED_KINDS = ("embed", "classify", "pooling")
+_PER_REQUEST = frozenset({"input", "encoding_format", "user", "request_id"})
+
+
+def _merge_key(request: RequestEnvelope) -> tuple[str, bytes] | None:
+    """What requests encoded together must share: their kind, their inputs' type (texts, or token
+    ids) and every other field of their bodies; None for a request that is encoded alone."""
+    body = request.body
+    if request.kind not in _MERGED_KINDS or request.api or (prompts := _prompts(body.get("input"))) is None:
+        return None
+    try:
+        options = orjson.dumps({name: value for name, value in body.items() if name not in _PER_REQUEST},
+                               option=orjson.OPT_SORT_KEYS)
+    except TypeError:
+        return None
+    return request.kind, prompts[0].encode() + b"\x00" + options
+
+
+def _prompts(value: Any) -> tuple[str, list] | None:
+    """A body's `input` as a list of prompts, as vLLM reads it (a string or a list of token ids is
+    one prompt), with their type; None for anything else (left to vLLM's own refusal)."""
+    if isinstance(value, str):
+        return "text", [value]
+    if isinstance(value, list) and value:
+        if all(isinstance(item, str) for item in value):
+            return "text", value
+        if all(isinstance(item, int) and not isinstance(item, bool) for item in value):
+            return "tokens", [value]
+        if all(isinstance(item, list) and item and all(isinstance(t, int) and not isinstance(t, bool) for t in item)
+               for item in value):
+            return "tokens", value
+    return None
+
+
+class _Merged:
+    """Requests of one kind and options, encoded by one call of vLLM's handler."""
+
+    __slots__ = ("requests", "futures", "task", "waiting")
+
+    def __init__(self) -> None:
+        self.requests: list[RequestEnvelope] = []
+        self.futures: list[asyncio.Future[GenerationChunk]] = []
+        self.task: asyncio.Task | None = None
+        self.waiting = 0  # requests still waiting for their answer
+
+
+class _Part:
+    """Some of a merged call's outputs, as the output functions read a handler's context."""
+
+    __slots__ = ("final_res_batch",)
+
+    def __init__(self, outputs: list) -> None:
+        self.final_res_batch = outputs
 
 
 class _InContext:
@@ -103,6 +171,7 @@ class VLLMPoolingAdapter(AsyncLLMLifetime, EncoderAdapter, TokenizerAdapter):
         self.engine: AsyncLLM | None = None
         self._handlers: dict[str, Any] = {}
         self._outputs: dict[str, Callable[[PoolingServeContext], tuple[list[Pooled], int]]] = {}
+        self._gathering: dict[tuple[str, bytes], _Merged] = {}  # requests to encode together, this loop turn
 
     async def start(self) -> None:
         """Build the engine, then `vllm serve`'s pooling handlers over it (as `init_pooling_state` does)."""
@@ -136,15 +205,94 @@ class VLLMPoolingAdapter(AsyncLLMLifetime, EncoderAdapter, TokenizerAdapter):
         self._outputs[kind] = outputs
 
     async def encode(self, request: RequestEnvelope) -> GenerationChunk:
-        """`vllm serve`'s handler of the request's kind, its outputs packed for the wire."""
-        handler = self._handlers.get(request.kind)
-        if handler is None:  # a kind `--kinds` named that this model cannot serve
+        """`vllm serve`'s handler of the request's kind, its outputs packed for the wire; with the
+        requests of the same kind and options that came in the same loop turn, where it can be."""
+        if request.kind not in self._handlers:  # a kind `--kinds` named that this model cannot serve
             return GenerationChunk(done=True, finish_reason="error", error=InvalidRequest(
                 f"The model does not support the {API_NAMES[request.kind]} API.").to_info())
+        key = _merge_key(request)
+        if key is None:
+            return await self._encode(request)
+        merged = self._gathering.get(key)
+        if merged is None:  # the requests claimed with this one come to `encode` in this loop turn
+            merged = self._gathering[key] = _Merged()
+            asyncio.get_running_loop().call_soon(self._start_merged, key)
+        answer = asyncio.get_running_loop().create_future()
+        merged.requests.append(request)
+        merged.futures.append(answer)
+        merged.waiting += 1
+        try:
+            return await asyncio.shield(answer)
+        except asyncio.CancelledError:
+            merged.waiting -= 1
+            if not merged.waiting and merged.task is not None:  # nobody waits for the call: stop it
+                merged.task.cancel()
+            raise
+
+    def _start_merged(self, key: tuple[str, bytes]) -> None:
+        merged = self._gathering.pop(key)
+        if not merged.waiting:  # all cancelled before their call began
+            return
+        merged.task = asyncio.get_running_loop().create_task(self._encode_merged(merged))
+
+    async def _encode_merged(self, merged: _Merged) -> None:
+        """Encode the requests in one call of vLLM's handler and give each its answer; each alone
+        if there is only one, or the call is refused."""
+        try:
+            if len(merged.requests) == 1:
+                answers = [await self._encode(merged.requests[0])]
+            else:
+                answers = await self._encode_together(merged.requests)
+            if answers is None:
+                answers = await asyncio.gather(*(self._encode(request) for request in merged.requests),
+                                               return_exceptions=True)
+        except asyncio.CancelledError:  # nobody waits for them any more
+            for future in merged.futures:
+                future.cancel()
+            raise
+        except Exception as exc:  # noqa: BLE001 - each request's runner fails it, as if it had run alone
+            answers = [exc] * len(merged.requests)
+        for future, answer in zip(merged.futures, answers, strict=True):
+            if isinstance(answer, BaseException):
+                future.set_exception(answer)
+                future.exception()  # retrieved here: its request may have stopped waiting for it
+            else:
+                future.set_result(answer)
+
+    async def _encode_together(self, requests: list[RequestEnvelope]) -> list[GenerationChunk] | None:
+        """One call of the handler for every request's inputs; each request's outputs and prompt
+        tokens, in order; None if the handler refuses the whole (a bad input: each alone then)."""
+        first = requests[0]
+        counts, prompts = [], []
+        for request in requests:
+            _kind, inputs = _prompts(request.body["input"])
+            counts.append(len(inputs))
+            prompts.extend(inputs)
+        body = {**first.body, "input": prompts, "request_id": f"{first.request_id}+{len(requests) - 1}"}
+        try:
+            ctx = await self._handlers[first.kind](_REQUESTS[first.kind].validate_python(body))
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - each request alone gets its own answer or refusal
+            return None
+        if isinstance(ctx, ErrorResponse) or len(ctx.final_res_batch) != len(prompts):
+            return None
+        metrics.ENCODE_CALL_REQUESTS.labels(self.served_model_name, first.kind).observe(len(requests))
+        answers, at = [], 0
+        for count in counts:
+            pooled, tokens = self._outputs[first.kind](_Part(ctx.final_res_batch[at:at + count]))
+            answers.append(GenerationChunk(done=True, finish_reason="stop", pooled=pooled,
+                                           usage=Usage(prompt_tokens=tokens)))
+            at += count
+        return answers
+
+    async def _encode(self, request: RequestEnvelope) -> GenerationChunk:
+        """`vllm serve`'s handler of the request's kind on this request alone."""
+        metrics.ENCODE_CALL_REQUESTS.labels(self.served_model_name, request.kind).observe(1)
         try:
             model = _OTHER_APIS[request.kind, request.api] if request.api else _REQUESTS[request.kind]
             body = model.validate_python({**request.body, "request_id": request.request_id})
-            ctx = await handler(body)
+            ctx = await self._handlers[request.kind](body)
         except Exception as exc:  # noqa: BLE001 - `_refusal` answers what vLLM's server answers, re-raises the rest
             return _refusal(exc)
         if isinstance(ctx, ErrorResponse):
