@@ -8,9 +8,10 @@ place. A stream whose worker dies goes on on another worker (gateway/fleet/repla
 (`temperature: 0`) or sampled (`temperature: 0.8`): continued from the engine's tokens its client
 was sent (the scripted engine sends a token per word, as vLLM's worker sends its tokens; before
 2026-11-27, a greedy one was run again and joined where it stood, a sampled one continued from its
-text). One run for each of `--temperatures` (default: both kinds), on fresh processes. With `--before REF`, each run is made twice, llmfleet as of git
-revision REF first (its gateway and workers from `git archive REF`), then this tree: the pause
-before and after a change, from one run of the bench.
+text). One run for each of `--temperatures` (default: both kinds), on fresh processes. With
+`--before REF`, each run is made twice, llmfleet as of git revision REF first (its gateway and
+workers from `git archive REF`), then this tree: the pause before and after a change, from one
+run of the bench.
 
 Reported, per run: streams, how many ended complete (the whole expected text, no error event), how
 many with an error; how many moved (the gateway's migrations counter); and for those, the pause

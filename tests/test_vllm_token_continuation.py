@@ -21,6 +21,7 @@ class _Engine:
     def __init__(self):
         self.asked = []
         self.tokenizer = self
+        self.closed = False  # its request's generator closed before its end: the request aborted
 
     def decode(self, ids, skip_special_tokens=True):
         return "".join(f"<{i}>" for i in ids)
@@ -30,11 +31,16 @@ class _Engine:
 
         self.asked.append((prompt, sampling_params))
         ids = list(prompt.get("prompt_token_ids", [])) if isinstance(prompt, dict) else []
-        yield RequestOutput(request_id, None, ids, None, [CompletionOutput(
-            index=0, text=" x y", token_ids=[41, 42], cumulative_logprob=None, logprobs=None)], finished=False)
+        try:
+            for text, token_ids in ((" x", [41]), (" y", [42])):
+                yield RequestOutput(request_id, None, ids, None, [CompletionOutput(
+                    index=0, text=text, token_ids=token_ids, cumulative_logprob=None, logprobs=None)], finished=False)
+        except GeneratorExit:
+            self.closed = True
+            raise
 
 
-def _run(prompt, prefix=None):
+def _run(prompt, prefix=None, **params):
     from vllm import SamplingParams
 
     from worker.adapters.vllm import _TOKENS, _ClockedEngine, _Tokens
@@ -44,14 +50,14 @@ def _run(prompt, prefix=None):
     async def outputs():
         _TOKENS.set(tokens)
         return [output async for output in _ClockedEngine(engine).generate(
-            prompt, SamplingParams(max_tokens=10, min_tokens=4), "r")]
+            prompt, SamplingParams(max_tokens=10, min_tokens=4, **params), "r")]
 
     return engine, tokens, asyncio.run(outputs())
 
 
 def test_a_stream_notes_the_engines_tokens_for_its_deltas():
     _engine, tokens, _outputs = _run({"type": "token", "prompt_token_ids": [1, 2, 3]})
-    assert tokens.take(0) == [41, 42] and tokens.take(0) == []
+    assert tokens.take(0) == [41, 42] and tokens.take(0) == []  # both outputs' tokens
 
 
 def test_a_prompt_that_is_not_tokens_alone_notes_none():
@@ -64,11 +70,28 @@ def test_a_continuation_hands_the_handler_the_answer_so_far_then_the_engines_res
     (prompt, params), = engine.asked
     assert prompt == {"type": "token", "prompt_token_ids": [1, 2, 3, 7, 8]}  # the prompt's text no longer holds
     assert (params.max_tokens, params.min_tokens) == (8, 2)  # what the request had left
-    so_far, rest = outputs
+    so_far, *rest = outputs
     assert (so_far.prompt_token_ids, list(so_far.outputs[0].token_ids), so_far.outputs[0].text) == (
         [1, 2, 3], [7, 8], "<7><8>")
-    assert rest.prompt_token_ids == [1, 2, 3]  # the prompt as the client sent it, for its usage and parsers
+    assert [output.prompt_token_ids for output in rest] == [[1, 2, 3]] * 2  # as the client sent it, for its usage
     assert tokens.passed and tokens.take(0) == [41, 42]  # only the engine's new tokens
+
+
+@pytest.mark.parametrize(("include", "text"), [(False, ""), (True, " x")])
+def test_a_stop_string_begun_before_the_break_ends_the_continuation_in_any_text(include, text):
+    """The engine reads the answer so far ("<7><8>") as prompt: a stop string begun there and ended
+    by the continuation (" x y") is looked for in the engine's own text, before any parser splits it
+    into content, reasoning or a tool call; found, the stream ends there and its request with it."""
+    engine, _tokens, outputs = _run({"type": "token", "prompt_token_ids": [1, 2, 3]}, prefix=[7, 8],
+                                    stop=["zz", "8> x"], include_stop_str_in_output=include)
+    _so_far, ended = outputs
+    choice = ended.outputs[0]
+    assert (choice.text, choice.finish_reason, choice.stop_reason, ended.finished) == (text, "stop", "8> x", True)
+    assert list(choice.token_ids) == [41] and engine.closed  # what the engine made up to there; then aborted
+    # No stop across the break: the engine's outputs pass as they came (held only while too short to tell).
+    engine, _tokens, outputs = _run({"type": "token", "prompt_token_ids": [1, 2, 3]}, prefix=[7, 8],
+                                    stop=["8> y", "zz"])
+    assert [o.outputs[0].text for o in outputs[1:]] == [" x", " y"] and not engine.closed
 
 
 def test_a_tool_call_half_streamed_is_continued_from_its_tokens_by_vllms_parser(tiny_model_dir):

@@ -1,9 +1,10 @@
 """Continuing a stream where its client stood, on the worker that takes it over (docs/reliability.md).
 
 Each unfinished choice of the stream runs as an engine request of its own, given the engine's
-tokens or the text its client was sent (`RequestEnvelope.continued`); `continuing` merges their chunks into the rest of
-the one stream the client reads: each choice's deltas under its own index, usage counted once, a
-completion's logprob offsets counted on, and a stop string begun before the break found after it.
+tokens or the text its client was sent (`RequestEnvelope.continued`); `continuing` merges their
+chunks into the rest of the one stream the client reads: each choice's deltas under its own
+index, usage counted once, a completion's logprob offsets counted on, and a stop string begun
+before the break found after it.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ async def continuing(parts: dict[int, AsyncIterator[GenerationChunk]],
     completion's logprob offsets counted on from the last it was sent (wherever the engine counts
     from: 0 after the text sent; the answer so far, as it decodes it, after its tokens), and one
     first token (the worker times the continuation's prefill by it; the gateway counts only the
-    stream's first); then one terminal chunk with the usage of the whole answer (the prompt as the client sent it,
-    every completion token once)."""
+    stream's first); then one terminal chunk with the usage of the whole answer (the prompt as the
+    client sent it, every completion token once)."""
     offsets = {choice.index: choice.text_offset for choice in state.choices}  # each choice's next token's
     shifts: dict[int, int] = {}  # what each choice's offsets are moved by: from where the engine counts to there
     completion_tokens = state.tokens
@@ -74,9 +75,7 @@ async def stopped_across_the_break(chunks: AsyncIterator[GenerationChunk], sent:
             if not (chunk.done or chunk.finish_reason or sum(len(c.text or "") for c in held) >= window):
                 continue
             first = tail + "".join(c.text or "" for c in held)
-            hit = min(((at, stop) for stop in params.stop for at in range(max(0, len(tail) - len(stop) + 1), len(tail))
-                       if first.startswith(stop, at)), default=None)
-            if hit is not None:
+            if (hit := stop_begun_before(tail, first, params.stop)) is not None:
                 at, stop = hit
                 cut = held[0]
                 for later in held[1:]:
@@ -92,6 +91,13 @@ async def stopped_across_the_break(chunks: AsyncIterator[GenerationChunk], sent:
             if chunk.done:
                 yield chunk
             tail, held = "", []
+
+
+def stop_begun_before(tail: str, text: str, stops: list[str]) -> tuple[int, str] | None:
+    """The first stop string in `text` (which starts with `tail`, the end of what was sent before
+    a break) that begins within `tail` and ends after it: where it begins, and which; None if none."""
+    return min(((at, stop) for stop in stops for at in range(max(0, len(tail) - len(stop) + 1), len(tail))
+                if text.startswith(stop, at)), default=None)
 
 
 async def _merged(parts: dict[int, AsyncIterator[GenerationChunk]]) -> AsyncIterator[tuple[int, GenerationChunk]]:

@@ -49,7 +49,8 @@ ENCODE_TIME = Histogram("llmfleet_worker_encode_seconds", "From the engine takin
                         buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
 ENCODE_CALL_REQUESTS = Histogram("llmfleet_worker_encode_call_requests", "Requests answered by one call of the "
                                  "engine's handler (a vLLM encoder worker encodes requests of the same options that "
-                                 "come together in one), by kind of request", ["model", "kind"],
+                                 "come together in one; the scripted encoder each alone), by kind of request",
+                                 ["model", "kind"],
                                  buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
 
 

@@ -189,7 +189,8 @@ def request_timings(terminal: GenerationChunk, arrival: float) -> dict[str, floa
     tokens = terminal.usage.completion_tokens if terminal.usage is not None else 0
     finished_at, first_token_at = worker.get("finished_at"), worker.get("first_token_at")
     return {"queue_s": worker.get("queue_s"), "prefill_s": worker.get("prefill_s"), "decode_s": decode,
-            "migration_s": worker.get("migration_s", 0.0), "relay_s": max(0.0, now - finished_at) if finished_at else None, "total_s": now - arrival,
+            "migration_s": worker.get("migration_s", 0.0),
+            "relay_s": max(0.0, now - finished_at) if finished_at else None, "total_s": now - arrival,
             "ttft_s": max(0.0, first_token_at - arrival) if first_token_at else None,
             "completion_tokens_per_s": tokens / decode if decode else None}
 

@@ -150,7 +150,7 @@ class ScriptedAdapter(GenerationAdapter):
                        prefix_ids: list[int] | None = None) -> AsyncIterator[GenerationChunk]:
         if prefix_ids is not None and not self.engine_tokens:
             raise ValueError("This engine does not continue from tokens (--no-scripted-engine-tokens).")
-        tokens = self.engine_tokens and (prefix_ids is not None or request.continues)
+        send_ids = self.engine_tokens and (prefix_ids is not None or request.continues)
         prompts = script_words(request)
         params = request.params
         if (prompt_tokens := max(tokens for _words, tokens in prompts)) > self.max_model_len:
@@ -171,7 +171,7 @@ class ScriptedAdapter(GenerationAdapter):
                     await self._pause((len(tokens) - cached) * self.prefill_per_token, aborted)
             async for chunk in self._run(prompts, max_tokens, params.n, params.stop or [], aborted,
                                          params.logprobs, request.kind, words_written(request) + len(prefix_ids or ()),
-                                         tokens):
+                                         send_ids):
                 if chunk.done:
                     chunk.usage.cached_tokens = cached
                     if self.cache is not None and len(prompts) == 1:
@@ -189,7 +189,7 @@ class ScriptedAdapter(GenerationAdapter):
         else:
             await asyncio.sleep(0)  # let cancels and other requests in between tokens
 
-    async def _run(self, prompts, max_tokens, n, stops, aborted, logprobs, kind, written=0, tokens=False):
+    async def _run(self, prompts, max_tokens, n, stops, aborted, logprobs, kind, written=0, send_ids=False):
         await self._pause(self.first_token_delay, aborted)
         if self.loop_stall:
             time.sleep(self.loop_stall)  # blocking on purpose: nothing else on the loop runs meanwhile
@@ -211,7 +211,7 @@ class ScriptedAdapter(GenerationAdapter):
                 piece = (word if at == 0 else " " + word) if choice == 0 else f"{' ' if at else ''}{choice}:{word}"
                 generated += 1
                 chunk = _delta(index, piece, generated == 1, logprobs, kind, len(texts[index]))
-                if tokens:
+                if send_ids:
                     chunk.output_ids = [at]
                 if texts[index] == "":  # the prompt's size, for running usage
                     chunk.usage = Usage(prompt_tokens=prompt_tokens)

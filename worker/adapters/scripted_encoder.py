@@ -27,6 +27,7 @@ import numpy as np
 
 from shared.envelopes import GenerationChunk, Pooled, RequestEnvelope, Usage
 from shared.errors import InvalidRequest
+from worker import metrics
 from worker.adapters.base import EncoderAdapter
 
 DIMENSIONS = 64
@@ -120,6 +121,7 @@ class ScriptedEncoder(EncoderAdapter):
         self._engine = asyncio.Lock()  # the compute its requests share
 
     async def encode(self, request: RequestEnvelope) -> GenerationChunk:
+        metrics.ENCODE_CALL_REQUESTS.labels(self.served_model_name, request.kind).observe(1)  # each alone
         body, untruncated_max = _cohere_as_vllm_reads_it(request.body) if request.api == "cohere" \
             else (request.body, None)
         if request.kind in ("score", "rerank"):

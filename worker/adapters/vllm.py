@@ -69,6 +69,7 @@ from shared.envelopes import Candidate, GenerationChunk, RequestEnvelope, ToolCa
 from shared.errors import ErrorInfo, FleetError
 from worker.adapters.base import GENERATION_KINDS, TOKENIZER_KINDS, GenerationAdapter, TokenizerAdapter
 from worker.adapters.media import check_media_urls
+from worker.continuing import stop_begun_before
 
 
 class _FirstToken:
@@ -129,10 +130,14 @@ class _ClockedEngine:
         prompt_ids = None
         if tokens is not None and not _of_tokens(prompt):
             tokens.noting = False
+        stops = None
         if tokens is not None and tokens.prefix:  # continued: the answer so far, first, as its first output
             prompt_ids = prompt["prompt_token_ids"]
             prompt, sampling_params = _after(prompt, sampling_params, tokens.prefix)
-            yield self._answer_so_far(request_id, prompt_ids, tokens.prefix, sampling_params)
+            so_far = self._answer_so_far(request_id, prompt_ids, tokens.prefix, sampling_params)
+            if sampling_params.stop:
+                stops = _StopAcrossTheBreak(so_far.outputs[0].text, sampling_params)
+            yield so_far
             tokens.passed = True
         # Closed with this generator: closing the engine's aborts its request.
         async with contextlib.aclosing(self._engine.generate(prompt, sampling_params, request_id, *args,
@@ -144,7 +149,10 @@ class _ClockedEngine:
                     tokens.note(output)
                 if prompt_ids is not None:  # the prompt as the client sent it (its usage, the parsers' view)
                     output.prompt_token_ids = prompt_ids
-                yield output
+                for ready in stops.take(output) if stops is not None else (output,):
+                    yield ready
+                if stops is not None and stops.found:
+                    return
 
     def _answer_so_far(self, request_id: str, prompt_ids: list[int], prefix: list[int], params) -> RequestOutput:
         """The tokens a continued stream's client was sent, as the engine's first output of it."""
@@ -152,6 +160,47 @@ class _ClockedEngine:
         logprobs = [None] * len(prefix) if params.logprobs is not None else None  # not shown: the client has them
         return RequestOutput(request_id, None, prompt_ids, None, [CompletionOutput(
             index=0, text=text, token_ids=list(prefix), cumulative_logprob=None, logprobs=logprobs)], finished=False)
+
+
+class _StopAcrossTheBreak:
+    """A stream continued from its tokens: the engine reads the answer so far as prompt, so it
+    cannot see a stop string begun there and ended by the continuation, in any of its text
+    (content, reasoning, a tool call's). Its first outputs are looked at with the end of the
+    answer so far, and held until their text is as long as the longest stop string but one (vLLM
+    holds back as much of its own): a stop string found across the break ends the stream at the
+    output that completes it, the held outputs merged into one that finishes with it (`found`: its
+    engine request is then closed)."""
+
+    def __init__(self, so_far: str, params) -> None:
+        self.stops = list(params.stop)
+        self.include = params.include_stop_str_in_output
+        self.window = max(map(len, self.stops)) - 1
+        self.tail = so_far[-self.window:] if self.window > 0 else ""
+        self.held: list[RequestOutput] = []
+        self.found = False
+
+    def take(self, output: RequestOutput) -> list[RequestOutput]:
+        """The outputs to pass on now."""
+        if not self.tail:
+            return [output]
+        self.held.append(output)
+        text = "".join(o.outputs[0].text for o in self.held)
+        held, tail = self.held, self.tail
+        if (hit := stop_begun_before(tail, tail + text, self.stops)) is None:
+            if len(text) < self.window and not output.finished:
+                return []  # a stop string may still end in what comes next
+            self.held, self.tail = [], ""
+            return held
+        at, stop = hit
+        merged = held[0]
+        for later in held[1:]:
+            merged.add(later, aggregate=True)
+        choice = merged.outputs[0]
+        end = at + len(stop) if self.include else at  # in `tail + text`; the stop's start in `tail` was sent
+        choice.text = text[:max(0, end - len(tail))]
+        choice.finish_reason, choice.stop_reason = "stop", stop
+        merged.finished = self.found = True
+        return [merged]
 
 
 def _of_tokens(prompt) -> bool:
