@@ -9,14 +9,21 @@ deaths and drains on real vLLM, is in tests/faults/test_vllm_worker_deaths.py.""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 
 import pytest
+
+from tests.parity.harness import ENGINE_ENV
 
 pytestmark = pytest.mark.vllm
 
 
 class _Engine:
-    """Answers each request with one output of two tokens; keeps what it was asked."""
+    """Answers each request with two outputs of a token each (" x", then " y"); keeps what it was
+    asked, and whether its request was closed before its end."""
 
     def __init__(self):
         self.asked = []
@@ -99,13 +106,6 @@ def test_a_tool_call_half_streamed_is_continued_from_its_tokens_by_vllms_parser(
     cut in the middle of its arguments and continued from the engine's tokens sent up to there goes
     on where the client stood: the rest of the arguments, no second call header (its parser's
     state was rebuilt from the tokens), the whole run's finish, tokens and usage."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    from tests.parity.harness import ENGINE_ENV
-
     ran = subprocess.run([sys.executable, "-m", "tests.tool_call_continuation", tiny_model_dir], capture_output=True,
                          text=True, timeout=480, env={**os.environ, **ENGINE_ENV}, check=False)
     assert ran.returncode == 0, ran.stderr[-3000:]
@@ -133,6 +133,8 @@ def test_a_tool_call_half_streamed_is_continued_from_its_tokens_by_vllms_parser(
     deltas = [row for row in continued if not row[8]]
     assert [row[6] for row in deltas if row[4]][:1] == [True]  # the continuation's first token, marked
     # The engine's tokens of the continuation are the whole run's from the cut on, counted once.
-    tokens = lambda rows: [token for row in rows if not row[8] for token in row[5] or ()]  # noqa: E731
+    def tokens(rows):
+        return [token for row in rows if not row[8] for token in row[5] or ()]
+
     assert tokens(sent) + tokens(continued) == tokens(whole)
     assert continued[-1][7][1] == whole[-1][7][1] - len(tokens(sent))

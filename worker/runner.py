@@ -396,7 +396,8 @@ class Runner:
                 if chunk.first_token:
                     state.first_token(chunk.first_token_at)
                     metrics.PREFILL_TIME.labels(self.model).observe(state.first_token_at - state.started)
-                    if not chunk.done:  # a stream's: its gateway keeps them, should another worker take it over
+                    if not chunk.done and (request.continues or request.replays_exactly):
+                        # its gateway keeps them, should another worker take the stream over
                         chunk.timings = {"prefill_s": state.first_token_at - state.started,
                                          "first_token_at": state.first_token_wall}
                 if chunk.done:
