@@ -48,6 +48,7 @@ from typing import Any
 import orjson
 import pydantic
 from vllm import AsyncEngineArgs
+from vllm.envs import enable_envs_cache
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
@@ -249,6 +250,15 @@ class AsyncLLMLifetime:
 
     engine: AsyncLLM | None
 
+    def _build_engine(self, engine_args: AsyncEngineArgs) -> AsyncLLM:
+        """The engine, and vLLM's environment variables read once from here on: until
+        `enable_envs_cache`, each access reads `os.environ` again, and the output path reads several
+        per token. vLLM's engine core turns the cache on after its start; `vllm serve`'s API process
+        never does. A worker sets no VLLM_* variable after its engine is built."""
+        engine = AsyncLLM.from_engine_args(engine_args)
+        enable_envs_cache()
+        return engine
+
     async def shutdown(self) -> None:
         """End the engine at once, as `vllm serve` does by default (its `--shutdown-timeout 0`): the
         worker has drained its runs by now. Without a timeout vLLM waits 5 s for the engine core,
@@ -286,7 +296,7 @@ class VLLMAdapter(AsyncLLMLifetime, GenerationAdapter, TokenizerAdapter):
 
     async def start(self) -> None:
         """Build the engine, then `vllm serve`'s handlers over it (as `init_app_state` does)."""
-        self.engine = AsyncLLM.from_engine_args(self.engine_args)
+        self.engine = self._build_engine(self.engine_args)
         engine = _ClockedEngine(self.engine)
         self.max_model_len = engine.model_config.max_model_len
         self.system_fingerprint = get_system_fingerprint(engine.vllm_config)

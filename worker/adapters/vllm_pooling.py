@@ -175,7 +175,7 @@ class VLLMPoolingAdapter(AsyncLLMLifetime, EncoderAdapter, TokenizerAdapter):
 
     async def start(self) -> None:
         """Build the engine, then `vllm serve`'s pooling handlers over it (as `init_pooling_state` does)."""
-        self.engine = engine = AsyncLLM.from_engine_args(self.engine_args)
+        self.engine = engine = self._build_engine(self.engine_args)
         config = engine.model_config
         self.max_model_len = config.max_model_len
         tasks = await engine.get_supported_tasks()
