@@ -28,6 +28,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from shared import keys, redis_pool
+from shared.redis_direct import Commands, direct_connection
 from shared.codec import MAX_ENVELOPE_BYTES, encode, encode_batch
 from shared.envelopes import ChunkEnvelope, GenerationChunk, RequestEnvelope
 from shared.stopping import pause
@@ -87,7 +88,6 @@ def _coalesce(chunks: list[GenerationChunk]) -> list[GenerationChunk]:
 class ReplyPublisher:
     def __init__(self, redis: aioredis.Redis, worker_id: str, coalesce_s: float = 0.002):
         self.redis = redis
-        self._ordered = redis_pool.pipelines_run_in_order(redis)
         self.worker_id = worker_id
         self.coalesce_s = coalesce_s
         self._outboxes: dict[str, _Outbox] = {}
@@ -103,6 +103,16 @@ class ReplyPublisher:
         # its requests stay unacknowledged, for the gateways and workers to recover as from a crash.
         self.give_up_after_s: float | None = None
         self._failing_since: float | None = None
+
+    @property
+    def redis(self) -> aioredis.Redis:
+        return self._redis
+
+    @redis.setter
+    def redis(self, client: aioredis.Redis) -> None:
+        self._redis = client
+        self._ordered = redis_pool.pipelines_run_in_order(client)
+        self._direct = direct_connection(client)  # one write per engine step: past the pipeline's layers
 
     @property
     def given_up(self) -> bool:
@@ -202,6 +212,8 @@ class ReplyPublisher:
             rest = self.coalesce_s - (time.monotonic() - started)
             if rest > 0:
                 await asyncio.sleep(rest)
+        if self._direct is not None:
+            await self._direct.close()
 
     async def _flush(self, outboxes: list[_Outbox]) -> None:
         entries: list[_Entry] = []
@@ -271,11 +283,8 @@ class ReplyPublisher:
         the publisher is stopped)."""
         delay = 0.05
         while True:
-            pipe = self.redis.pipeline(transaction=False)
-            for write in writes:
-                write(pipe)
             try:
-                await pipe.execute()
+                await self._send(writes)
                 self._failing_since = None
                 return
             except RedisError as exc:
@@ -291,3 +300,16 @@ class ReplyPublisher:
                     log.error("stopping with Redis unreachable: dropping %d reply entries", n_entries)
                     return
                 delay = min(delay * 2, 2.0)
+
+    async def _send(self, writes) -> None:
+        if self._direct is None:  # a cluster: its pipeline sends each node its share
+            pipe = self.redis.pipeline(transaction=False)
+            for write in writes:
+                write(pipe)
+            await pipe.execute()
+            return
+        commands = Commands()
+        for write in writes:
+            write(commands)
+        if commands.args:
+            await self._direct.execute(commands.args)

@@ -25,6 +25,7 @@ from shared import keys
 from shared.codec import decode, decode_batch
 from shared.envelopes import ChunkEnvelope, GenerationChunk
 from shared.errors import EnvelopeError, ServiceUnavailable
+from shared.redis_direct import direct_connection
 from shared.stopping import pause
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class ReplyRouter:
         self.on_overflow = on_overflow
         self._routes: dict[str, asyncio.Queue[ChunkEnvelope | None]] = {}
         self._last_id = "$"
+        self._direct = direct_connection(redis)  # one read per engine step: past the client's layers
         self.connected = asyncio.Event()
         self.connected_at = 0.0  # when (monotonic) the reply stream was last (re)made: the link to Redis holds since
         self.stopping = asyncio.Event()
@@ -76,8 +78,7 @@ class ReplyRouter:
                     await self.create_stream()
                     self.connected.set()
                     self.connected_at = time.monotonic()
-                replies = await self.redis.xread({self.stream: self._last_id}, count=READ_BATCH,
-                                                 block=READ_BLOCK_MS)
+                entries = await self._read()
             except RedisError as exc:
                 if self.connected.is_set():
                     log.warning("reading replies failed: %s; failing %d open requests", exc, len(self._routes))
@@ -85,13 +86,28 @@ class ReplyRouter:
                 self.connected.clear()
                 await pause(self.stopping, 0.5)
                 continue
+            if not entries:
+                continue
             now_ms = time.time() * 1000
-            for _stream, entries in replies or ():
-                for entry_id, fields in entries:
-                    # An entry's id is Redis's clock when the worker's XADD reached it (ms).
-                    metrics.RELAY_DELAY.observe(max(0.0, now_ms - int(entry_id.split(b"-", 1)[0])) / 1000)
-                    self._deliver(fields)
-                self._last_id = entries[-1][0]
+            for entry_id, fields in entries:
+                # An entry's id is Redis's clock when the worker's XADD reached it (ms).
+                metrics.RELAY_DELAY.observe(max(0.0, now_ms - int(entry_id.split(b"-", 1)[0])) / 1000)
+                self._deliver(fields)
+            self._last_id = entries[-1][0]
+        if self._direct is not None:
+            await self._direct.close()
+
+    async def _read(self) -> list:
+        """The next entries of the reply stream, as (id, [field, value, ...]); none after READ_BLOCK_MS."""
+        if self._direct is None:  # a cluster: its client finds the stream's node
+            replies = await self.redis.xread({self.stream: self._last_id}, count=READ_BATCH, block=READ_BLOCK_MS)
+            return [(entry_id, [item for pair in fields.items() for item in pair])
+                    for _stream, entries in replies or () for entry_id, fields in entries]
+        [reply] = await self._direct.execute([("XREAD", "COUNT", READ_BATCH, "BLOCK", READ_BLOCK_MS, "STREAMS",
+                                               self.stream, self._last_id)])
+        if not reply:
+            return []
+        return next(iter(reply.values())) if isinstance(reply, dict) else reply[0][1]  # RESP3 or RESP2
 
     def _fail_open_requests(self) -> None:
         """Redis went away: whatever was in flight can no longer reach us, so end it now."""
@@ -100,17 +116,19 @@ class ReplyRouter:
             queue.put_nowait(ChunkEnvelope(request_id, -1, [GenerationChunk(done=True, finish_reason="error",
                                                                             error=error)]))
 
-    def _deliver(self, fields: dict[bytes, bytes]) -> None:
-        if (data := fields.get(keys.ENVELOPE_FIELD)) is not None:
-            self._route(data)
-        elif (batch := fields.get(keys.BATCH_FIELD)) is not None:
-            try:
-                envelopes = decode_batch(batch)
-            except EnvelopeError as exc:
-                log.error("dropping a malformed batch of replies: %s", exc)
-                return
-            for data in envelopes:
-                self._route(data)
+    def _deliver(self, fields: list[bytes]) -> None:
+        """One entry's envelope, or its batch of them (its fields: name, value, ...)."""
+        for name, value in zip(fields[::2], fields[1::2], strict=True):
+            if name == keys.ENVELOPE_FIELD:
+                self._route(value)
+            elif name == keys.BATCH_FIELD:
+                try:
+                    envelopes = decode_batch(value)
+                except EnvelopeError as exc:
+                    log.error("dropping a malformed batch of replies: %s", exc)
+                    continue
+                for data in envelopes:
+                    self._route(data)
 
     def _route(self, data: bytes) -> None:
         try:
