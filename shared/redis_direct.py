@@ -51,23 +51,27 @@ class DirectConnection:
         self.pool = client.connection_pool
         self._connection = None
 
-    async def execute(self, commands: list[tuple]) -> list[Any]:
+    async def execute(self, commands: list[tuple], raise_on_error: bool = True) -> list[Any]:
         """Send `commands` at once and read their replies, raw (RESP as the connection reads it).
-        The first error reply is raised once every reply is read. A lost connection is retried as
-        redis-py's client retries it (the connection's own `retry`)."""
+        An error reply is raised, the first once every reply is read; or, without `raise_on_error`,
+        given in its place. A lost connection is retried as redis-py's client retries it (the
+        connection's own `retry`)."""
         connection = self._connection
         if connection is None:
             connection = self._connection = await self.pool.get_connection()
         try:
-            return await connection.retry.call_with_retry(lambda: _round_trip(connection, commands),
-                                                          lambda _error: connection.disconnect())
-        except ResponseError:
-            raise  # every reply was read: the connection is as good as before
+            replies = await connection.retry.call_with_retry(lambda: _round_trip(connection, commands),
+                                                             lambda _error: connection.disconnect())
         except BaseException:
             self._connection = None
             await connection.disconnect()
             await self.pool.release(connection)
             raise
+        if raise_on_error:
+            for reply in replies:
+                if isinstance(reply, ResponseError):
+                    raise reply
+        return replies
 
     async def close(self) -> None:
         connection, self._connection = self._connection, None
@@ -78,15 +82,11 @@ class DirectConnection:
 async def _round_trip(connection, commands: list[tuple]) -> list[Any]:
     await connection.send_packed_command(b"".join(map(hiredis.pack_command, commands)))
     replies: list[Any] = []
-    error: ResponseError | None = None
     for _ in commands:
         try:
             replies.append(await connection.read_response())
         except ResponseError as exc:
-            error = error or exc
             replies.append(exc)
-    if error is not None:
-        raise error
     return replies
 
 
