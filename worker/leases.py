@@ -34,13 +34,15 @@ MARGIN_S = 0.25  # a lease counts as lost this long before Redis could let it la
 LOOP_STALL_LIMIT_S = 30.0  # an event loop silent this long is hung: its leases are let go
 RENEW_TIMEOUT_S = 2.0  # the renewing connection's socket timeout
 
-# KEYS[1]: a request's lease; ARGV: worker id, TTL in seconds. Takes the lease if nobody holds it and
-# returns its fencing token, Redis's clock in microseconds; 0 if it is held. A later lease of the
-# request is taken on the same server after this one lapsed, so it gets a larger token.
+# KEYS: a request's lease, its stashed cancel, its streamed count (one slot: the request's); ARGV:
+# worker id, TTL in seconds. Takes the lease if nobody holds it and returns its fencing token, Redis's
+# clock in microseconds, with the cancel stashed while it was queued (taken: it is consumed once) and
+# how many runs of it reached a client; {0} if the lease is held (its holder owns the rest). A later
+# lease of the request is taken on the same server after this one lapsed, so it gets a larger token.
 _TAKE = """
-if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then return 0 end
+if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then return {0} end
 local now = redis.call('TIME')
-return tonumber(now[1]) * 1000000 + tonumber(now[2])
+return {tonumber(now[1]) * 1000000 + tonumber(now[2]), redis.call('GETDEL', KEYS[2]), redis.call('GET', KEYS[3])}
 """
 
 
@@ -58,9 +60,15 @@ class Leases:
         self._stop_keeping = threading.Event()
         self._keeper: threading.Thread | None = None
 
-    def take(self, request_id: str):
-        """The awaitable that takes the lease: its fencing token, or 0 if another worker holds it."""
-        return self._take(keys=[keys.lease_key(request_id)], args=[self.worker_id, keys.LEASE_TTL_S])
+    async def take(self, request_id: str) -> tuple[int, bytes | None, bytes | None]:
+        """Take the lease: its fencing token, the cancel stashed for the request while it was queued
+        and the count of its runs that reached a client (`keys.streamed_key`); a token of 0 (and
+        nothing else) if another worker holds it. One command, for a request's three reads."""
+        token, *found = await self._take(keys=[keys.lease_key(request_id), keys.cancelled_key(request_id),
+                                               keys.streamed_key(request_id)],
+                                         args=[self.worker_id, keys.LEASE_TTL_S])
+        stashed, streamed = found or (None, None)
+        return token, stashed, streamed
 
     def hold(self, request_id: str, asked: float) -> None:
         """The lease asked for at `asked` (monotonic) was taken."""

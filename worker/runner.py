@@ -133,12 +133,7 @@ class Runner:
         asked = time.monotonic()
         queued = max(0.0, time.time() - request.arrival)
         try:
-            lease, (stashed, streamed) = await asyncio.gather(
-                self.leases.take(request.request_id),
-                self.batched.pipeline(transaction=False)
-                .getdel(keys.cancelled_key(request.request_id))  # a cancel stashed while queued, consumed once
-                .get(keys.streamed_key(request.request_id))
-                .execute())
+            lease, stashed, streamed = await self.leases.take(request.request_id)
         except RedisError as exc:  # leave the entry pending, for a retry
             log.warning("could not lease request %s (%s); leaving it for a retry", request.request_id, exc)
             return
