@@ -25,9 +25,10 @@ from gateway.http.body_limit import BodySizeLimit
 from gateway.http.errors import install_error_handlers
 from gateway.settings import GatewaySettings
 
-ROUTERS = (openai_chat.router, openai_completions.router, invocations.router, openai_responses.router,
-           anthropic_messages.router, streams.router, fleet_routes.router, tokenizer.router, sessions.router,
-           pooling_routes.router)
+# The busiest first: a request is matched against each route in turn until one takes it.
+ROUTERS = (openai_chat.router, openai_completions.router, pooling_routes.router, anthropic_messages.router,
+           invocations.router, openai_responses.router, streams.router, fleet_routes.router, tokenizer.router,
+           sessions.router)
 
 
 def create_app(settings: GatewaySettings | None = None) -> FastAPI:
