@@ -9,6 +9,7 @@ import io
 import uuid
 
 import msgpack
+import pytest
 import redis.asyncio as aioredis
 
 from gateway.fleet.relay import READ_BLOCK_MS, ReplyRouter
@@ -176,4 +177,39 @@ async def test_a_router_whose_cancel_is_lost_still_stops_within_one_read(redis_u
         lost += not task.cancelled()  # it ended by its stop event: the cancel was lost
         await redis.delete(router.stream)
     print(f"cancels lost: {lost} of 5")
+    await redis.aclose()
+
+
+def test_the_pause_between_writes_grows_with_the_requests_a_write_carried() -> None:
+    publisher = ReplyPublisher(aioredis.Redis(), "w1", coalesce_s=0.002, per_stream_s=0.00075, most_s=0.006)
+    assert [publisher.pause_s(n) for n in (0, 1, 2, 4, 8, 64)] == pytest.approx([0.002, 0.002, 0.002, 0.003, 0.006,
+                                                                                  0.006])
+
+
+async def test_deltas_wait_out_the_pause_merged_but_a_first_output_ends_it(redis_url: str) -> None:
+    """After a write, a request's next deltas wait for the pause to end and go out merged, in one
+    envelope; a request's first output ends the pause at once, taking them along. (The pause is
+    made a minute long: a delta that did not wait would show, and one that waited could not pass
+    for a first output's.)"""
+    redis = aioredis.Redis.from_url(redis_url)
+    gateway = uuid.uuid4().hex
+    router = ReplyRouter(redis, gateway)
+    streaming, newcomer = _request(gateway, True), _request(gateway, True)
+    queues = {r.request_id: router.open(r.request_id) for r in (streaming, newcomer)}
+    publisher = ReplyPublisher(redis, "w1", coalesce_s=60.0, per_stream_s=60.0, most_s=60.0)
+    async with reading(router), running(publisher):
+        publisher.publish(streaming, GenerationChunk(text="a", token_count=1))
+        first = await asyncio.wait_for(queues[streaming.request_id].get(), 5)
+        publisher.publish(streaming, GenerationChunk(text="b", token_count=1))
+        publisher.publish(streaming, GenerationChunk(text="c", token_count=1))
+        await asyncio.sleep(0.3)
+        assert queues[streaming.request_id].empty()  # waiting out the pause
+        publisher.publish(newcomer, GenerationChunk(text="x", token_count=1))
+        merged = await asyncio.wait_for(queues[streaming.request_id].get(), 5)
+        other = await asyncio.wait_for(queues[newcomer.request_id].get(), 5)
+    assert [(e.seq, [c.text for c in e.chunks]) for e in (first, merged, other)] == [(0, ["a"]), (1, ["bc"]),
+                                                                                     (0, ["x"])]
+    for request in (streaming, newcomer):
+        await redis.delete(keys.streamed_key(request.request_id))
+    await redis.delete(keys.reply_stream(gateway))
     await redis.aclose()
