@@ -57,6 +57,12 @@ FAMILIES = {
 
 _facts: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("llmfleet_request_facts")
 
+# The scope key of the `send` under every middleware of the app. Each middleware here notes or amends
+# a response's start and passes its body on untouched (BodySizeLimit drops it only once it refused
+# the request, before any endpoint ran), so a stream sends its body's parts there directly
+# (gateway/serve/sse.py): four wrappers fewer per SSE event.
+BODY_SEND = "llmfleet.body_send"
+
 
 def note(**facts: Any) -> None:
     """Record facts about the request being served (no-op outside a request)."""
@@ -88,6 +94,7 @@ class CountResponses:
             await self.app(scope, receive, send)
             return
         started = time.monotonic()
+        scope[BODY_SEND] = send
         request_id = _request_id(scope)
         facts: dict[str, Any] = {"log_request": self.log_requests}
         token = _facts.set(facts)

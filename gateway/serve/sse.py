@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from gateway import metrics
+from gateway.http.accounting import BODY_SEND
 from gateway.serve.formatter import Formatter
 from gateway.serve.life import RequestLife
 from shared.envelopes import GenerationChunk
@@ -188,11 +189,14 @@ class SSEResponse(StreamingResponse):
     async def __call__(self, scope, receive, send) -> None:
         try:
             with CancelledOnDisconnect(receive):
-                await self.stream_response(send)
+                await self.stream_response(send, scope.get(BODY_SEND, send))
         except ClientDisconnected:
             pass  # the stream was cancelled where it stood, as Starlette's cancel scope does
 
-    async def stream_response(self, send) -> None:
+    async def stream_response(self, send, body_send=None) -> None:
+        """The start through `send`, the body's parts through `body_send` (the send under the
+        middlewares, `accounting.BODY_SEND`)."""
+        body_send = body_send or send
         last = b""
         # Closed on every way out: a cancel in `send` leaves the body waiting at a yield. Entered
         # before the response starts: a body that owns a run (`_sse_body`) ends it even if the
@@ -202,14 +206,14 @@ class SSEResponse(StreamingResponse):
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             while part is not None:
                 if last:  # a part came after the one marked last: send that one as it is
-                    await send({"type": "http.response.body", "body": last, "more_body": True})
+                    await body_send({"type": "http.response.body", "body": last, "more_body": True})
                 if isinstance(part, LastPart):
                     last = part
                 else:
                     last = b""
-                    await send({"type": "http.response.body", "body": part, "more_body": True})
+                    await body_send({"type": "http.response.body", "body": part, "more_body": True})
                 part = await anext(parts, None)
-        await send({"type": "http.response.body", "body": last, "more_body": False})
+        await body_send({"type": "http.response.body", "body": last, "more_body": False})
 
 
 async def parts(of: list[bytes]) -> AsyncIterator[bytes]:
