@@ -35,9 +35,6 @@ class Commands(StreamCommands, BasicKeyCommands, HashCommands):
     def execute_command(self, *args: Any, **_options: Any) -> None:
         self.args.append(args)
 
-    def __len__(self) -> int:
-        return len(self.args)
-
 
 class DirectConnection:
     """One connection of `client`'s pool, taken at the first command and held until `close`.
