@@ -3,7 +3,7 @@ tests/test_vllm_token_continuation.py (run as a process of its own, so that its 
 
 The tiny random model cannot sample a well-formed call by itself: a structured output of one
 choice (the call's exact text) makes it write one, greedily, through the hermes tool parser. The
-stream runs whole; then it is cut after a delta in the middle of the call's arguments, and
+stream runs whole; then it is cut after a delta in the middle of the call's arguments (not the last), and
 continued from the engine's tokens sent up to there (`VLLMAdapter.generate(..., prefix_ids)`, as
 a worker taking it over does), its structured output the rest of the same text: at each step the
 same tokens are allowed as in the whole run, so greedy decoding picks the same ones, and what the
@@ -55,10 +55,15 @@ async def main(model_dir: str) -> dict:
     try:
         # Under a structured output a stream is not one a takeover continues: an empty prefix asks
         # for its tokens all the same.
-        whole = await _stream(adapter, CALL, [])
-        # Cut after the middle one of the deltas that carry the call's arguments.
-        with_arguments = [at for at, row in enumerate(whole) if any(call[3] for call in row[2])]
-        cut = with_arguments[len(with_arguments) // 2] + 1
+        # Cut after a delta in the middle of those that carry the call's arguments, never the last. A
+        # busy machine can give the arguments in one delta (vLLM joins the outputs its consumer has
+        # not taken yet): then there is no middle to cut at, and the run is made again.
+        for _attempt in range(5):
+            whole = await _stream(adapter, CALL, [])
+            with_arguments = [at for at, row in enumerate(whole) if any(call[3] for call in row[2])]
+            if len(with_arguments) >= 2:
+                break
+        cut = with_arguments[(len(with_arguments) - 1) // 2] + 1
         prefix = [token for row in whole[:cut] for token in row[5] or ()]
         so_far = adapter.engine.tokenizer.decode(prefix, skip_special_tokens=False)
         assert CALL.startswith(so_far), (so_far, CALL)
