@@ -34,9 +34,9 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from shared import keys, redis_pool
-from shared.redis_direct import Commands, direct_connection
 from shared.codec import MAX_ENVELOPE_BYTES, encode, encode_batch
 from shared.envelopes import ChunkEnvelope, GenerationChunk, RequestEnvelope
+from shared.redis_direct import Commands, direct_connection
 from shared.stopping import pause
 
 log = logging.getLogger(__name__)
@@ -132,6 +132,8 @@ class ReplyPublisher:
 
     @redis.setter
     def redis(self, client: aioredis.Redis) -> None:
+        """The client it writes with; set again, its writes go on the new client's pool (the
+        connection held on the old one stays with the old client)."""
         self._redis = client
         self._ordered = redis_pool.pipelines_run_in_order(client)
         self._direct = direct_connection(client)  # one write per engine step: past the pipeline's layers
