@@ -45,8 +45,8 @@ class RequestConsumer:
     `claim_express`, each ending at its next turn once `stop()` is called."""
 
     def __init__(self, redis: aioredis.Redis, runner: Runner, model: str, worker_id: str, max_concurrency: int, *,
-                 claim_idle_s: float = 3.0, steal_after_s: float = 0.01, express_slots: int = 0,
-                 takeover_slots: int = 1):
+                 batched: aioredis.Redis | None = None, claim_idle_s: float = 3.0, steal_after_s: float = 0.01,
+                 express_slots: int = 0, takeover_slots: int = 1):
         self.redis = redis
         self.runner = runner
         self.model = model
@@ -60,7 +60,9 @@ class RequestConsumer:
         self.own_stream = keys.worker_stream(model, worker_id)
         self._bind = redis.register_script(fair_queue.BIND)
         self._express = redis.register_script(fair_queue.EXPRESS)
-        self._claim = redis.register_script(affinity.CLAIM)
+        # Claimed once per turn of `claim_requests` under load: in the worker's shared pipelines
+        # (`BatchedRedis`, a held connection), not through the client's pool and packer.
+        self._claim = (batched or redis).register_script(affinity.CLAIM)
         self._steal = redis.register_script(affinity.STEAL)
         self._move = redis.register_script(affinity.MOVE)
         self._ring = redis.register_script(affinity.RING)

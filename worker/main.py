@@ -80,7 +80,7 @@ class Worker:
                              self.leases, log_requests=log_requests, migration_limit=migration_limit,
                              on_engine_failure=self._check_engine)
         self.consumer = RequestConsumer(redis, self.runner, self.model, self.worker_id, max_concurrency,
-                                        claim_idle_s=claim_idle_s, steal_after_s=steal_after_s,
+                                        batched=self.batched, claim_idle_s=claim_idle_s, steal_after_s=steal_after_s,
                                         express_slots=express_slots, takeover_slots=takeover_slots)
         self.cancels = CancelFollower(redis, self.model, self.runner.running, self.runner.cancel_requested,
                                       lambda rid, cause, sent_at: self.runner.spawn(self.runner.cancel(rid, cause,
