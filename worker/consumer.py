@@ -44,8 +44,8 @@ class RequestConsumer:
     """The claiming loops of one worker: `claim_requests`, `steal_waiting`, `reclaim_requests` and
     `claim_express`, each ending at its next turn once `stop()` is called."""
 
-    def __init__(self, redis: aioredis.Redis, runner: Runner, model: str, worker_id: str, max_concurrency: int, *,
-                 batched: aioredis.Redis | None = None, claim_idle_s: float = 3.0, steal_after_s: float = 0.01,
+    def __init__(self, redis: aioredis.Redis, batched: aioredis.Redis, runner: Runner, model: str, worker_id: str,
+                 max_concurrency: int, *, claim_idle_s: float = 3.0, steal_after_s: float = 0.01,
                  express_slots: int = 0, takeover_slots: int = 1):
         self.redis = redis
         self.runner = runner
@@ -62,7 +62,7 @@ class RequestConsumer:
         self._express = redis.register_script(fair_queue.EXPRESS)
         # Claimed once per turn of `claim_requests` under load: in the worker's shared pipelines
         # (`BatchedRedis`, a held connection), not through the client's pool and packer.
-        self._claim = (batched or redis).register_script(affinity.CLAIM)
+        self._claim = batched.register_script(affinity.CLAIM)
         self._steal = redis.register_script(affinity.STEAL)
         self._move = redis.register_script(affinity.MOVE)
         self._ring = redis.register_script(affinity.RING)

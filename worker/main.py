@@ -59,9 +59,9 @@ def new_worker_id() -> str:
 
 class Worker:
     def __init__(self, redis: aioredis.Redis, adapter: Adapter, max_concurrency: int, worker_id: str | None = None,
-                 *, renewals: SyncRedis | SyncRedisCluster, claim_idle_s: float = 3.0, kinds: tuple[str, ...] = (), steal_after_s: float = 0.01,
-                 express_slots: int = 0, takeover_slots: int = 1, log_requests: bool = False,
-                 migration_limit: int = 3, drain_timeout_s: float = 30.0):
+                 *, renewals: SyncRedis | SyncRedisCluster, claim_idle_s: float = 3.0, kinds: tuple[str, ...] = (),
+                 steal_after_s: float = 0.01, express_slots: int = 0, takeover_slots: int = 1,
+                 log_requests: bool = False, migration_limit: int = 3, drain_timeout_s: float = 30.0):
         self.redis = redis
         self.adapter = adapter
         self.model = adapter.served_model_name
@@ -79,8 +79,8 @@ class Worker:
         self.runner = Runner(adapter, self.model, self.worker_id, self.kinds, self.batched, self.publisher,
                              self.leases, log_requests=log_requests, migration_limit=migration_limit,
                              on_engine_failure=self._check_engine)
-        self.consumer = RequestConsumer(redis, self.runner, self.model, self.worker_id, max_concurrency,
-                                        batched=self.batched, claim_idle_s=claim_idle_s, steal_after_s=steal_after_s,
+        self.consumer = RequestConsumer(redis, self.batched, self.runner, self.model, self.worker_id, max_concurrency,
+                                        claim_idle_s=claim_idle_s, steal_after_s=steal_after_s,
                                         express_slots=express_slots, takeover_slots=takeover_slots)
         self.cancels = CancelFollower(redis, self.model, self.runner.running, self.runner.cancel_requested,
                                       lambda rid, cause, sent_at: self.runner.spawn(self.runner.cancel(rid, cause,
@@ -92,9 +92,9 @@ class Worker:
         self._stop_loops = asyncio.Event()  # the drain is over: heartbeat, cancels and leases end
         # Every per-model series exists from the start, at 0, so that a rate sees the first event
         # (a series born at 1 shows no increase) and dashboards show 0 rather than nothing.
-        for family in (metrics.QUEUE_TIME, metrics.GENERATED_TOKENS, metrics.POISON_MESSAGES, metrics.CANCELS_FROM_STASH,
-                       metrics.TOKENS_AFTER_CANCEL, metrics.QUEUE_TIMEOUTS, metrics.CANCEL_LATENCY, metrics.RECLAIMED,
-                       metrics.PREFILL_TIME, metrics.DECODE_TIME):
+        for family in (metrics.QUEUE_TIME, metrics.GENERATED_TOKENS, metrics.POISON_MESSAGES,
+                       metrics.CANCELS_FROM_STASH, metrics.TOKENS_AFTER_CANCEL, metrics.QUEUE_TIMEOUTS,
+                       metrics.CANCEL_LATENCY, metrics.RECLAIMED, metrics.PREFILL_TIME, metrics.DECODE_TIME):
             family.labels(self.model)
         metrics.MIGRATIONS.labels(self.model)
         metrics.HANDED_OVER.labels(self.model)
