@@ -71,6 +71,17 @@ def test_a_prompt_its_handler_stopped_waiting_for_is_left_alone():
     assert asyncio.run(scenario()) == ["KEPT", True, ["kept", "dropped"]]
 
 
+def test_an_executor_shut_down_fails_each_prompt_instead_of_leaving_it_waiting():
+    async def scenario() -> list:
+        executor = ThreadPoolExecutor(1)
+        executor.shutdown()
+        together = _RenderTogether(_Renders(), executor, 1)
+        return await asyncio.wait_for(asyncio.gather(together("a"), together("b"), return_exceptions=True), 5)
+
+    answers = asyncio.run(scenario())
+    assert [type(answer) for answer in answers] == [RuntimeError, RuntimeError]
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_no_prompts_no_job(threads):
     answers, _, jobs = asyncio.run(_render(threads, []))

@@ -142,9 +142,8 @@ class _RenderTogether:
 
     A handler renders each of its prompts on the renderer's executor (`--renderer-num-workers`
     threads, 1 by default), and asks for them all at once. One job per prompt costs a thread's wake
-    and the GIL's hand-over per prompt, for a render that takes less; here the prompts run in the
-    order asked, each rendered by vLLM's own `render`, and each answer (or error) goes to its own
-    future, as vLLM's would."""
+    and the GIL's hand-over per prompt. Here the prompts run in the order asked, each rendered by
+    vLLM's own `render`, and each answer (or error) goes to its own future, as vLLM's would."""
 
     __slots__ = ("render", "executor", "threads", "waiting")
 
@@ -167,7 +166,11 @@ class _RenderTogether:
         size = -(-len(waiting) // self.threads)
         for start in range(0, len(waiting), size):
             part = waiting[start:start + size]
-            job = loop.run_in_executor(self.executor, self._render_all, [params for params, _ in part])
+            try:
+                job = loop.run_in_executor(self.executor, self._render_all, [params for params, _ in part])
+            except RuntimeError as exc:  # the executor has shut down: each prompt fails, as vLLM's would
+                job = loop.create_future()
+                job.set_exception(exc)
             job.add_done_callback(functools.partial(_answer_renders, part))
 
     def _render_all(self, batch: list[Any]) -> list[tuple[bool, Any]]:
