@@ -8,8 +8,8 @@ not 64, for Redis and for the gateway that reads it. (A gateway that did not ask
 `RequestEnvelope.batch_replies`, gets one entry per envelope.) So a fast engine costs a few
 round trips per batch instead of one per token, and a slow one still gets each token out at once.
 
-The pause grows with the load (`pause_s`): 2 ms after a write of a few requests, 0.75 ms for each
-request beyond, at most 6 ms. A worker streaming to one client sends each engine step at once (a
+The pause grows with the load (`pause_s`): 0.75 ms for each request the last write carried, at
+least 2 ms and at most 6 ms. A worker streaming to one client sends each engine step at once (a
 step takes longer than 2 ms); one streaming to eight merges about two steps into each write and
 each SSE event, for about a third less CPU per token beside the engine here, with at most 6 ms
 more between a client's events. A request's first output ends the pause: it never waits.
