@@ -89,7 +89,7 @@ class DirectConnection:
             await self.pool.release(connection)
 
     async def _round_trip(self, connection, commands: list[tuple]) -> list[Any]:
-        packed = b"".join(map(hiredis.pack_command, commands))
+        packed = b"".join(hiredis.pack_command(_words(command)) for command in commands)
         replies = self._replies
         if replies is not None and replies.reads(connection) and replies.closed:
             await connection.disconnect()  # closed while idle (a restart, a timeout): nothing sent yet
@@ -171,6 +171,14 @@ class _Replies(asyncio.Protocol):
         self.lost = self.lost or error
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_exception(error)
+
+
+def _words(command: tuple) -> tuple:
+    """A command as Redis reads it: a name of two words (redis-py's "XINFO GROUPS", "CLIENT ID") as two."""
+    name = command[0]
+    if isinstance(name, str) and " " in name:
+        return (*name.split(), *command[1:])
+    return command
 
 
 async def _read_through(connection, packed: bytes, count: int) -> list[Any]:

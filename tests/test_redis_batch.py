@@ -118,3 +118,19 @@ async def test_stopping_fails_what_is_still_queued(redis_url: str) -> None:
     with pytest.raises(RedisConnectionError, match="stopping"):
         await waiting
     await redis.aclose()
+
+
+async def test_replies_are_parsed_as_redis_py_parses_them(redis_url: str) -> None:
+    stream = _key("stream")
+    plain = aioredis.Redis.from_url(redis_url)
+    try:
+        await plain.xadd(stream, {"v": "1"})
+        await plain.expire(stream, 60)
+        await plain.xgroup_create(stream, "group", id="0")
+        async with batched_client(redis_url) as batched:
+            assert await batched.xinfo_groups(stream) == await plain.xinfo_groups(stream)  # "XINFO GROUPS"
+            assert await batched.xlen(stream) == 1
+            assert await batched.scan(0, match=stream) == await plain.scan(0, match=stream)
+        await plain.delete(stream)
+    finally:
+        await plain.aclose()

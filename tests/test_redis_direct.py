@@ -102,3 +102,10 @@ async def test_a_closed_connection_goes_back_to_the_pool_fit_for_redis_py(redis_
         assert await asyncio.wait_for(client.get(key), 5) == b"1"
         assert await asyncio.wait_for(connection.execute([("GET", key)]), 5) == [b"1"]
         await client.delete(key)
+
+
+async def test_a_command_named_in_two_words_goes_as_redis_py_sends_it(redis_url: str) -> None:
+    async with direct(redis_url) as (_client, connection):
+        [by_name] = await connection.execute([("CLIENT ID",)])  # as redis-py's methods name it
+        [by_words] = await connection.execute([("CLIENT", "ID")])
+        assert isinstance(by_name, int) and by_name == by_words

@@ -29,6 +29,7 @@ from shared import affinity, fair_queue, keys
 from shared.codec import decode
 from shared.envelopes import GenerationChunk, RequestEnvelope
 from shared.errors import EnvelopeError, InvalidRequest
+from shared.redis_direct import DirectConnection, direct_connection
 from shared.stopping import pause
 from worker import metrics
 from worker.runner import Runner
@@ -67,6 +68,10 @@ class RequestConsumer:
         self._move = redis.register_script(affinity.MOVE)
         self._ring = redis.register_script(affinity.RING)
         self._forget = redis.register_script(affinity.FORGET)
+        # Each loop's blocking read (a claim, a doorbell), once a second while idle, on a connection it
+        # holds, past redis-py's layers (`shared.redis_direct`; None on a cluster: through the client).
+        self._links: dict[str, DirectConnection | None] = {
+            loop: direct_connection(redis) for loop in ("claim", "steal", "express", "takeover")}
         self.draining = False
         self._slot_freed = asyncio.Event()
         self._express_open = asyncio.Event()  # every slot busy, an express slot free (or stopping)
@@ -152,7 +157,7 @@ class RequestConsumer:
                     continue
                 entries, oldest = await self._steal_waiting(free)
                 if not entries and oldest is None:  # nothing waits: until a request is routed (rung at its arrival)
-                    rung = await self.redis.blpop([keys.affinity_doorbell(self.model)], timeout=DOORBELL_WAIT_S)
+                    rung = await self._blpop("steal", keys.affinity_doorbell(self.model), DOORBELL_WAIT_S)
                     oldest = float(rung[1]) / 1000 if rung else None
             except RedisError as exc:
                 log.warning("taking waiting requests failed: %s", exc)
@@ -175,7 +180,7 @@ class RequestConsumer:
                 entries = _entries(await self._express(keys=fair_queue.express_keys(self.model),
                                                        args=[keys.WORKER_GROUP, self.worker_id]))
                 if not entries:  # until a tenant's queue takes a new turn (or a second has passed)
-                    await self.redis.blpop([keys.new_turn_doorbell(self.model)], timeout=DOORBELL_WAIT_S)
+                    await self._blpop("express", keys.new_turn_doorbell(self.model), DOORBELL_WAIT_S)
             except RedisError as exc:
                 log.warning("express claim failed: %s", exc)
                 await pause(self.stopping, 0.5)
@@ -191,11 +196,33 @@ class RequestConsumer:
 
     async def _read(self, streams: dict[str, str], count: int, block_ms: int | None) -> list[tuple]:
         """XREADGROUP as (stream, entry id, fields) triples, this worker's own stream's first."""
-        replies = await self.redis.xreadgroup(keys.WORKER_GROUP, self.worker_id, streams, count=count, block=block_ms)
+        link = self._links["claim"]
+        if link is None:
+            replies = await self.redis.xreadgroup(keys.WORKER_GROUP, self.worker_id, streams, count=count,
+                                                  block=block_ms)
+        else:
+            [replies] = await link.execute([("XREADGROUP", "GROUP", keys.WORKER_GROUP, self.worker_id, "COUNT", count,
+                                             *(("BLOCK", block_ms) if block_ms is not None else ()),
+                                             "STREAMS", *streams, *streams.values())])
         if isinstance(replies, dict):  # RESP3
             replies = list(replies.items())
-        entries = [(stream.decode(), entry_id, fields) for stream, got in replies or () for entry_id, fields in got]
+        entries = [(stream.decode(), entry_id, _fields(fields))
+                   for stream, got in replies or () for entry_id, fields in got]
         return sorted(entries, key=lambda entry: entry[0] != self.own_stream)
+
+    async def _blpop(self, loop: str, key: str, timeout: float):
+        """BLPOP on `loop`'s own connection: [key, value], or None after `timeout` seconds."""
+        link = self._links[loop]
+        if link is None:
+            return await self.redis.blpop([key], timeout=timeout)
+        [reply] = await link.execute([("BLPOP", key, timeout)])
+        return reply
+
+    async def close(self) -> None:
+        """Give back the loops' connections (once they have ended)."""
+        for link in self._links.values():
+            if link is not None:
+                await link.close()
 
     async def _oldest_waiting(self, count: int) -> list[tuple]:
         return _entries(await self._claim(keys=[self.own_stream, self.stream],
@@ -259,7 +286,7 @@ class RequestConsumer:
             return
         doorbell = keys.takeover_doorbell(self.model)
         try:
-            rung = await self.redis.blpop([doorbell], timeout=min(wait, DOORBELL_WAIT_S))  # within socket timeouts
+            rung = await self._blpop("takeover", doorbell, min(wait, DOORBELL_WAIT_S))  # within socket timeouts
             if rung is None:
                 return
             if self.stopping.is_set():  # a stopping worker takes nothing: the ring is another's
@@ -394,6 +421,14 @@ def _reply_route(data: bytes) -> RequestEnvelope | None:
         return None
     return RequestEnvelope(request_id=route.request_id[:256], model="?", kind="chat", reply_to=route.reply_to[:256],
                            arrival=0.0, batch_replies=route.batch_replies)
+
+
+def _fields(fields) -> dict | None:
+    """An entry's fields as redis-py's client gives them (a dict), from a flat list as Redis sends
+    them; None for an entry deleted since it was added."""
+    if fields is None or isinstance(fields, dict):
+        return fields
+    return dict(zip(fields[::2], fields[1::2], strict=True))
 
 
 def _entries(triples) -> list[tuple]:

@@ -33,8 +33,9 @@ DEREGISTER_S = 2.0  # the last write of a stop: removing the heartbeat, which ex
 
 class Heartbeat:
     def __init__(self, redis: aioredis.Redis, model: str, worker_id: str, info: Callable[[], WorkerInfo],
-                 cancels: CancelFollower):
+                 cancels: CancelFollower, batched: aioredis.Redis | None = None):
         self.redis = redis
+        self.batched = batched or redis  # the beats go in the worker's shared pipelines
         self.model = model
         self.worker_id = worker_id
         self.info = info  # the worker's state now
@@ -44,7 +45,7 @@ class Heartbeat:
     async def run(self, stopping: asyncio.Event) -> None:
         stashed_before: dict[str, str] = {}
         while not stopping.is_set():
-            pipe = (self.redis.pipeline(transaction=False)
+            pipe = (self.batched.pipeline(transaction=False)
                     .set(keys.worker_key(self.worker_id), encode(self.info()), ex=keys.HEARTBEAT_TTL_S)
                     .set(keys.model_key(self.model), b"1", ex=keys.MODEL_MEMORY_TTL_S)
                     .zadd(keys.affinity_streams(self.model),

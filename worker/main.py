@@ -10,6 +10,7 @@ step of the stop is bounded: a slow or vanished Redis delays the exit by seconds
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import os
@@ -86,7 +87,7 @@ class Worker:
                                       lambda rid, cause, sent_at: self.runner.spawn(self.runner.cancel(rid, cause,
                                                                                                       sent_at)),
                                       self.worker_id)
-        self.heartbeat = Heartbeat(redis, self.model, self.worker_id, self.info, self.cancels)
+        self.heartbeat = Heartbeat(redis, self.model, self.worker_id, self.info, self.cancels, self.batched)
         self.started = time.time()
         self.fatal: BaseException | None = None  # set when the engine died
         self._stop_loops = asyncio.Event()  # the drain is over: heartbeat, cancels and leases end
@@ -148,6 +149,8 @@ class Worker:
         self.publisher.stop()
         self.batched.stop()
         await stop_tasks(loops, grace_s=0, cancel_s=STOP_CANCEL_S, what="worker loops")
+        with contextlib.suppress(TimeoutError, RedisError, OSError):
+            await within(REDIS_CLOSE_S, self.consumer.close(), "giving back the claiming loops' connections")
         await asyncio.to_thread(self.leases.stop_keeping)
         await self.heartbeat.deregister()
 

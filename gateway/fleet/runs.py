@@ -370,13 +370,16 @@ class Fleet:
                                         wait_s=REDIS_POOL_WAIT_S, client_name=f"gateway-{settings.gateway_id}")
         self.router = ReplyRouter(self.redis, settings.gateway_id, settings.max_buffered_chunks,
                                   on_overflow=self._cancel_slow_client)
-        self.registry = WorkerRegistry(self.redis, settings.models)
-        self.registry.on_gone = self.router.wake_silent  # its runs see their worker gone at once
-        self.registry.linked_since = lambda: self.router.connected_at
         # Per-request commands share pipelines; the router's blocking read keeps its own connection.
         # A finished run is unregistered before its client reads the end of the answer
         # (`end`, awaited by gateway/serve/life.py), so a cancel sent right after it finds nothing.
         self.batched = BatchedRedis(self.redis)
+        # The registry's reads, twice a second, join them on one server (a cluster's client scans
+        # every node itself): most of an idle gateway's CPU went to redis-py's layers around them.
+        self.registry = WorkerRegistry(self.batched if redis_pool.pipelines_run_in_order(self.redis) else self.redis,
+                                       settings.models)
+        self.registry.on_gone = self.router.wake_silent  # its runs see their worker gone at once
+        self.registry.linked_since = lambda: self.router.connected_at
         self.cancels = CancelRegistry(self.batched)
         self.limits = RateLimits(self.batched, settings.rate_window_s)
         self.keys = KeyStore(self.batched)
