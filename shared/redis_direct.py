@@ -15,8 +15,8 @@ each command goes to its slot's node, which its client finds (`direct_connection
 Once connected, the connection's socket is read by `_Replies`, not by asyncio's stream reader under
 redis-py: its bytes go straight to the connection's own hiredis reader and the replies to the
 waiting round trip, a write and a wake-up per round trip. Through the stream reader and
-`read_response` a round trip cost 25-30 µs of CPU more here (measured: an XREAD of 20 entries 72-77
-µs against 42-48, an XADD 62-67 against 38-45). redis-py still connects, authenticates, finds a
+`read_response` a round trip cost 25-30 µs of CPU more here (measured: an XREAD of 20 entries 77-82
+µs against 47-54, an XADD 64-67 against 43-47). redis-py still connects, authenticates, finds a
 Sentinel's primary and disconnects it; a connection whose redis-py keeps these elsewhere is read
 through `read_response`, as before.
 """
@@ -120,8 +120,9 @@ class _Replies(asyncio.Protocol):
 
     @classmethod
     def take_over(cls, connection) -> _Replies | None:
-        """The reader of `connection`'s socket from now on; None where its redis-py keeps it
-        elsewhere than these (private) attributes, as its versions since 5 do."""
+        """The reader of `connection`'s socket from now on; None where its redis-py keeps the
+        socket's writer and its hiredis reader elsewhere than these (private) attributes, where
+        redis-py 8 keeps them."""
         writer = getattr(connection, "_writer", None)
         reader = getattr(getattr(connection, "_parser", None), "_reader", None)
         if writer is None or not isinstance(reader, hiredis.Reader):

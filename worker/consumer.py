@@ -212,6 +212,7 @@ class RequestConsumer:
 
     async def _blpop(self, loop: str, key: str, timeout: float):
         """BLPOP on `loop`'s own connection: [key, value], or None after `timeout` seconds."""
+        timeout = max(timeout, 0.001)  # Redis counts milliseconds, and reads a timeout of 0 as none at all
         link = self._links[loop]
         if link is None:
             return await self.redis.blpop([key], timeout=timeout)
