@@ -434,5 +434,4 @@ def _fields(fields) -> dict | None:
 
 def _entries(triples) -> list[tuple]:
     """A claiming script's {stream, entry id, flat fields} triples as (stream, entry id, fields)."""
-    return [(stream.decode(), entry_id, dict(zip(flat[::2], flat[1::2], strict=True)))
-            for stream, entry_id, flat in triples]
+    return [(stream.decode(), entry_id, _fields(flat)) for stream, entry_id, flat in triples]
