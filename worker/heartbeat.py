@@ -33,9 +33,9 @@ DEREGISTER_S = 2.0  # the last write of a stop: removing the heartbeat, which ex
 
 class Heartbeat:
     def __init__(self, redis: aioredis.Redis, model: str, worker_id: str, info: Callable[[], WorkerInfo],
-                 cancels: CancelFollower, batched: aioredis.Redis | None = None):
+                 cancels: CancelFollower, batched: aioredis.Redis):
         self.redis = redis
-        self.batched = batched or redis  # the beats go in the worker's shared pipelines
+        self.batched = batched  # the beats go in the worker's shared pipelines (`BatchedRedis`)
         self.model = model
         self.worker_id = worker_id
         self.info = info  # the worker's state now
