@@ -49,7 +49,7 @@ class ResponsesRequest(OpenAIModel):
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     max_output_tokens: int | None = None
-    max_tool_calls: int | None = None
+    max_tool_calls: int | None = Field(default=None, ge=-(2**63), lt=2**63)  # stored and echoed: a 64-bit int
     tools: list[dict[str, Any]] = Field(default_factory=list)
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] = "auto"
     parallel_tool_calls: bool = True
