@@ -188,6 +188,7 @@ def _wait_for_idle_engine(vllm_stack) -> None:
 
 def test_disconnect_while_queued_never_reaches_the_engine(vllm_stack, redis_client):
     claims_before = _worker_metric(vllm_stack, "llmfleet_worker_claims_total")
+    hang_ups_before = metric_value(vllm_stack.gateway.url, "llmfleet_gateway_cancels_total", cause="disconnect")
     long_run = {"model": vllm_stack.model, "messages": MESSAGES, "max_tokens": 1900, "temperature": 1.0,
                 "stream": True}
     with contextlib.ExitStack() as streams:
@@ -201,8 +202,11 @@ def test_disconnect_while_queued_never_reaches_the_engine(vllm_stack, redis_clie
             httpx.post(f"{vllm_stack.gateway.url}/v1/chat/completions", json={**long_run, "stream": False},
                        timeout=0.5)
         # No worker claimed the one whose client hung up: its gateway takes it back from the queue.
-        wait_for(lambda: redis_client.xlen(keys.request_stream(vllm_stack.model)) == VLLM_SLOTS, 5,
-                 "the queued request to leave the queue")
+        # Its hang-up counted means the gateway is done with it (queued, then taken back): until then,
+        # on a loaded machine, it may not even have reached the queue.
+        wait_for(lambda: metric_value(vllm_stack.gateway.url, "llmfleet_gateway_cancels_total",
+                                      cause="disconnect") == hang_ups_before + 1, 10, "the gateway to see the hang-up")
+        assert redis_client.xlen(keys.request_stream(vllm_stack.model)) == VLLM_SLOTS
         for i in range(VLLM_SLOTS):
             httpx.post(f"{vllm_stack.gateway.url}/v1/cancel", json={"cancel_id": f"fill-{i}"})
     _wait_for_idle_engine(vllm_stack)
