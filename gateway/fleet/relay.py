@@ -43,6 +43,7 @@ class ReplyRouter:
         self.max_buffered = max_buffered  # envelopes waiting for one slow client
         self.on_overflow = on_overflow
         self._routes: dict[str, asyncio.Queue[ChunkEnvelope | None]] = {}
+        self._opened = asyncio.Event()  # a route opened since `watch_silence` found none
         self._last_id = "$"
         self._direct = direct_connection(redis)  # one read per engine step: past the client's layers
         self.connected = asyncio.Event()
@@ -51,6 +52,8 @@ class ReplyRouter:
 
     def open(self, request_id: str) -> asyncio.Queue[ChunkEnvelope | None]:
         queue: asyncio.Queue[ChunkEnvelope | None] = asyncio.Queue()
+        if not self._routes:
+            self._opened.set()
         self._routes[request_id] = queue
         return queue
 
@@ -60,6 +63,7 @@ class ReplyRouter:
     def stop(self) -> None:
         """End `run`, `watch_silence` and `keep_alive` at their next turn."""
         self.stopping.set()
+        self._opened.set()
 
     @property
     def open_requests(self) -> int:
@@ -152,9 +156,14 @@ class ReplyRouter:
     async def watch_silence(self, interval: float) -> None:
         """Every `interval`, wake each request with nothing waiting in its queue (a `SILENCE`), so
         it checks its deadline and its worker: one timer for the process instead of a timeout
-        armed and cancelled around every wait of every request."""
-        while not await pause(self.stopping, interval):
-            self.wake_silent()
+        armed and cancelled around every wait of every request. With no request open, it sleeps
+        until one opens: an idle gateway does not wake for it."""
+        while not self.stopping.is_set():
+            if not self._routes:
+                self._opened.clear()
+                await self._opened.wait()
+            elif not await pause(self.stopping, interval):
+                self.wake_silent()
 
     def wake_silent(self) -> None:
         """Wake each request with nothing waiting in its queue, to look around now (a worker was
