@@ -180,6 +180,22 @@ async def test_a_router_whose_cancel_is_lost_still_stops_within_one_read(redis_u
     await redis.aclose()
 
 
+async def test_the_silence_watch_sleeps_with_no_request_open_and_wakes_for_the_first(redis_url: str) -> None:
+    """`watch_silence` waits for a route instead of waking every interval; a request opened later
+    still hears its first silence within the interval, and a stop ends the watch while it sleeps."""
+    redis = aioredis.Redis.from_url(redis_url)
+    router = ReplyRouter(redis, uuid.uuid4().hex)
+    watch = asyncio.create_task(router.watch_silence(0.05))
+    await asyncio.sleep(0.2)  # asleep: no route to wake
+    queue = router.open("r")
+    assert await asyncio.wait_for(queue.get(), 1) is None  # SILENCE
+    router.close("r")
+    await asyncio.sleep(0.2)  # asleep again
+    router.stop()
+    await asyncio.wait_for(watch, 1)
+    await redis.aclose()
+
+
 def test_the_pause_between_writes_grows_with_the_requests_a_write_carried() -> None:
     publisher = ReplyPublisher(aioredis.Redis(), "w1", coalesce_s=0.002, per_stream_s=0.00075, most_s=0.006)
     assert [publisher.pause_s(n) for n in (0, 1, 2, 4, 8, 64)] == pytest.approx([0.002, 0.002, 0.002, 0.003, 0.006,
