@@ -23,6 +23,7 @@ Writes bench/results/engine_path.json and .png, prints a markdown table.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import importlib.metadata
 import json
@@ -30,7 +31,9 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from bench.common import ENGINE_ARGS, ENGINE_ENV, RESULTS, cpu_seconds, progress, save, source_tree
@@ -120,20 +123,41 @@ def start_litellm(executable: Path, upstream: str, directory: Path) -> Proc:
     return proc
 
 
-def bench_serve(url: str, model_dir: Path, workload: dict, env: dict, out: Path) -> dict:
-    """One `vllm bench serve` run; its saved result JSON."""
+def bench_serve(url: str, model_dir: Path, workload: dict, env: dict, out: Path, watch: Iterable[int] = ()) -> dict:
+    """One `vllm bench serve` run; its saved result JSON. With `watch`, the CPU seconds those
+    processes spent during the benchmark itself (`watched_cpu_s`: from the client's "Starting main
+    benchmark run" to its result, read off its output as it prints) and during the whole call
+    (`watched_cpu_s_call`: with the ~8 s the client spends starting, when a server only idles)."""
     args = [str(VENV_BIN / "vllm"), "bench", "serve", "--backend", "vllm", "--base-url", url, "--model", MODEL,
             "--tokenizer", str(model_dir), "--dataset-name", "random", "--random-input-len", str(workload["input"]),
             "--random-output-len", str(workload["output"]), "--num-prompts", str(workload["prompts"]),
             "--max-concurrency", str(workload["concurrency"]), "--ignore-eos", "--seed", "0", "--disable-tqdm",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--save-result",
             "--result-dir", str(out.parent), "--result-filename", out.name]
-    completed = subprocess.run(args, env={**os.environ, **env}, capture_output=True, text=True, timeout=900,
-                               check=False)
-    if completed.returncode != 0 or not out.exists():
-        raise RuntimeError(f"vllm bench serve failed against {url}:\n{completed.stdout[-2000:]}"
-                           f"{completed.stderr[-2000:]}")
-    return json.loads(out.read_text())
+    watch = list(watch)
+    cpu = {"call": sum(cpu_seconds(pid) for pid in watch)}
+    client = subprocess.Popen(args, env={**os.environ, **env, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    timer = threading.Timer(900, client.kill)
+    timer.start()
+    output = collections.deque(maxlen=60)
+    try:
+        for line in client.stdout:
+            output.append(line)
+            if line.startswith("Starting main benchmark run"):
+                cpu["start"] = sum(cpu_seconds(pid) for pid in watch)
+            elif "Serving Benchmark Result" in line:
+                cpu["end"] = sum(cpu_seconds(pid) for pid in watch)
+        returncode = client.wait()
+    finally:
+        timer.cancel()
+    if returncode != 0 or not out.exists() or not {"start", "end"} <= cpu.keys():
+        raise RuntimeError(f"vllm bench serve failed against {url}:\n{''.join(output)[-3000:]}")
+    result = json.loads(out.read_text())
+    if watch:
+        result["watched_cpu_s"] = cpu["end"] - cpu["start"]
+        result["watched_cpu_s_call"] = sum(cpu_seconds(pid) for pid in watch) - cpu["call"]
+    return result
 
 
 class Backends(contextlib.ExitStack):
@@ -198,9 +222,9 @@ def run(quick: bool, with_litellm: bool = True, before: str | None = None) -> di
         steps, done = len(cases) * len(urls), 0
         for case in cases:
             for name, url in urls.items():
-                cpu_before = sum(cpu_seconds(pid) for pid in backends.frontends[name])
-                result = bench_serve(url, model_dir, case, env, Path(scratch) / f"{len(rows)}.json")
-                frontend_cpu = sum(cpu_seconds(pid) for pid in backends.frontends[name]) - cpu_before
+                result = bench_serve(url, model_dir, case, env, Path(scratch) / f"{len(rows)}.json",
+                                     watch=backends.frontends[name])
+                frontend_cpu = result["watched_cpu_s"]
                 row = {"backend": name, **case, "completed": result["completed"], "failed": result["failed"],
                        **{m: result[m] for m in METRICS}}
                 # --ignore-eos makes every request exactly `output` tokens long; vLLM's client counts them

@@ -14,9 +14,10 @@ machine's drift hits each alike:
 The load is vLLM's own client (`vllm bench serve`, random dataset, 128 tokens in and out,
 `--ignore-eos`) at each concurrency, `--rounds` times per server (the median is kept).
 CPU per output token beside the engine: every process of a server but vLLM's engine core (the
-API server; the router; llmfleet's gateway, Redis and worker process), per token generated,
-also as a ratio to `vllm serve`'s API server's. A router's row is its own process plus the
-`vllm serve` API server behind it.
+API server; the router; llmfleet's gateway, Redis and worker process), per token generated, over
+the benchmark itself (and, beside it, over the whole client call, whose first ~8 s are the client
+starting), also as a ratio to `vllm serve`'s API server's; and what each spends idle. A router's
+row is its own process plus the `vllm serve` API server behind it.
 
     python -m bench.routers [--quick] [--rounds N] [--concurrency 1,8,32,64,128]
 
@@ -110,17 +111,20 @@ def run(concurrencies: list[int], rounds: int) -> dict:
         for url in urls.values():  # warm-up: first requests pay one-off costs (caches, connections)
             bench_serve(url, model_dir, {"input": TOKENS, "output": 16, "concurrency": 4, "prompts": 8}, env,
                         Path(scratch) / "warmup.json")
+        idle = _idle_cpu(servers.frontends)
         steps, done = len(concurrencies) * rounds * len(urls), 0
         for concurrency in concurrencies:
             case = {"input": TOKENS, "output": TOKENS, "concurrency": concurrency, "prompts": max(16, 4 * concurrency)}
             runs: dict[str, list[dict]] = {name: [] for name in urls}
             cpu = dict.fromkeys(urls, 0.0)
+            cpu_call = dict.fromkeys(urls, 0.0)  # with the client's start, when the server only idles
             tokens = dict.fromkeys(urls, 0)
             for _ in range(rounds):  # alternating: drift hits every server alike
                 for name, url in urls.items():
-                    before = sum(cpu_seconds(pid) for pid in servers.frontends[name])
-                    result = bench_serve(url, model_dir, case, env, Path(scratch) / f"{done}.json")
-                    cpu[name] += sum(cpu_seconds(pid) for pid in servers.frontends[name]) - before
+                    result = bench_serve(url, model_dir, case, env, Path(scratch) / f"{done}.json",
+                                         watch=servers.frontends[name])
+                    cpu[name] += result["watched_cpu_s"]
+                    cpu_call[name] += result["watched_cpu_s_call"]
                     tokens[name] += result["completed"] * TOKENS
                     # --ignore-eos: every request is exactly TOKENS long, whatever a proxy's stream reports.
                     runs[name].append({**{m: result[m] for m in METRICS},
@@ -132,13 +136,25 @@ def run(concurrencies: list[int], rounds: int) -> dict:
                 row = {"server": name, "concurrency": concurrency,
                        **{m: statistics.median(r[m] for r in runs[name]) for m in METRICS},
                        "failed": sum(r["failed"] for r in runs[name]),
-                       "cpu_ms_per_token": 1000 * cpu[name] / max(1, tokens[name])}
+                       "cpu_ms_per_token": 1000 * cpu[name] / max(1, tokens[name]),
+                       "cpu_ms_per_token_call": 1000 * cpu_call[name] / max(1, tokens[name]),
+                       "idle_cpu_ms_per_s": idle[name]}
                 rows.append(row)
         skipped = servers.skipped
     _add_ratios(rows)
     return {"measured_at": time.strftime("%Y-%m-%d %H:%M"), "engine_args": ENGINE_ARGS, "engine_env": ENGINE_ENV,
             "rounds": rounds, "rows": rows, "skipped": skipped,
             "routers": ROUTERS}
+
+
+def _idle_cpu(frontends: dict[str, list[int]], seconds: float = 10.0) -> dict[str, float]:
+    """What each server's processes beside the engine spend idle, in CPU ms a second: all servers
+    idle together, after their warm-up."""
+    time.sleep(2)
+    before = {name: sum(cpu_seconds(pid) for pid in pids) for name, pids in frontends.items()}
+    time.sleep(seconds)
+    return {name: 1000 * (sum(cpu_seconds(pid) for pid in pids) - before[name]) / seconds
+            for name, pids in frontends.items()}
 
 
 def _add_ratios(rows: list[dict]) -> None:
@@ -155,26 +171,33 @@ def _add_ratios(rows: list[dict]) -> None:
             row["vs_best_router"] = {
                 "throughput": row["output_throughput"] / max(r["output_throughput"] for r in routers),
                 "cpu_per_token": row["cpu_ms_per_token"] / min(r["cpu_ms_per_token"] for r in routers),
+                "cpu_per_token_call": row["cpu_ms_per_token_call"] / min(r["cpu_ms_per_token_call"] for r in routers),
                 "p99_ttft": row["p99_ttft_ms"] / min(r["p99_ttft_ms"] for r in routers)}
 
 
 def table(result: dict) -> str:
     lines = ["| concurrency | server | output tok/s | vs vllm serve | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
-             "CPU ms/token beside the engine | vs vllm serve's API server |", "|---|---|---|---|---|---|---|---|"]
+             "CPU ms/token beside the engine | vs vllm serve's API server | the same over the whole call |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
         lines.append(f"| {row['concurrency']} | {row['server']} | {row['output_throughput']:.0f} | "
                      f"{row['throughput_ratio']:.2f}x | {row['p50_ttft_ms']:.0f} / {row['p99_ttft_ms']:.0f} | "
                      f"{row['p50_itl_ms']:.1f} / {row['p99_itl_ms']:.1f} | {row['cpu_ms_per_token']:.3f} | "
-                     f"{row['cpu_ratio']:.2f}x |")
+                     f"{row['cpu_ratio']:.2f}x | {row['cpu_ms_per_token_call']:.3f} |")
+    idle = {row["server"]: row["idle_cpu_ms_per_s"] for row in result["rows"]}
+    lines += ["", "CPU beside the engine while idle, ms a second: " + ", ".join(
+        f"{name} {ms:.1f}" for name, ms in idle.items()) + ".",
+        "CPU per token counts the benchmark itself, from the client's first request to its result; "
+        "the whole call adds the ~8 s the client spends starting, when a server only idles."]
     against = [row for row in result["rows"] if "vs_best_router" in row]
     if against:
         lines += ["", "llmfleet against the best router at each concurrency (targets: throughput ≥ 0.95x, CPU per "
                       "token ≤ 1.05x, TTFT p99 ≤ 1.00x):", "",
-                  "| concurrency | throughput | CPU per token | TTFT p99 |", "|---|---|---|---|"]
+                  "| concurrency | throughput | CPU per token | (whole call) | TTFT p99 |", "|---|---|---|---|---|"]
         for row in against:
             best = row["vs_best_router"]
             lines.append(f"| {row['concurrency']} | {best['throughput']:.2f}x | {best['cpu_per_token']:.2f}x | "
-                         f"{best['p99_ttft']:.2f}x |")
+                         f"{best['cpu_per_token_call']:.2f}x | {best['p99_ttft']:.2f}x |")
     for name, why in result.get("skipped", {}).items():
         lines.append(f"\n{name}: not measured: {why}")
     return "\n".join(lines)
