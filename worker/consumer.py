@@ -158,7 +158,10 @@ class RequestConsumer:
                 entries, oldest = await self._steal_waiting(free)
                 if not entries and oldest is None:  # nothing waits: until a request is routed (rung at its arrival)
                     rung = await self._blpop("steal", keys.affinity_doorbell(self.model), DOORBELL_WAIT_S)
-                    oldest = float(rung[1]) / 1000 if rung else None
+                    if rung is None:  # a wait without a ring: look again at once, no pause (a lost ring)
+                        delay, due = 0.0, None
+                        continue
+                    oldest = float(rung[1]) / 1000
             except RedisError as exc:
                 log.warning("taking waiting requests failed: %s", exc)
                 continue

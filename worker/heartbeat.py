@@ -33,8 +33,9 @@ DEREGISTER_S = 2.0  # the last write of a stop: removing the heartbeat, which ex
 
 class Heartbeat:
     def __init__(self, redis: aioredis.Redis, model: str, worker_id: str, info: Callable[[], WorkerInfo],
-                 cancels: CancelFollower, batched: aioredis.Redis):
+                 cancels: CancelFollower, batched: aioredis.Redis, beaten: Callable[[], None]):
         self.redis = redis
+        self.beaten = beaten  # told of each beat that reached Redis (the lease thread renews the key otherwise)
         self.batched = batched  # the beats go in the worker's shared pipelines (`BatchedRedis`)
         self.model = model
         self.worker_id = worker_id
@@ -55,6 +56,7 @@ class Heartbeat:
             sent = time.monotonic()
             try:
                 stashed = await self.cancels.stashed(pipe)
+                self.beaten()
             except RedisError as exc:
                 log.warning("heartbeat failed: %s", exc)
                 stashed = {}

@@ -87,7 +87,8 @@ class Worker:
                                       lambda rid, cause, sent_at: self.runner.spawn(self.runner.cancel(rid, cause,
                                                                                                       sent_at)),
                                       self.worker_id)
-        self.heartbeat = Heartbeat(redis, self.model, self.worker_id, self.info, self.cancels, self.batched)
+        self.heartbeat = Heartbeat(redis, self.model, self.worker_id, self.info, self.cancels, self.batched,
+                                   beaten=self.leases.beaten)
         self.started = time.time()
         self.fatal: BaseException | None = None  # set when the engine died
         self._stop_loops = asyncio.Event()  # the drain is over: heartbeat, cancels and leases end
