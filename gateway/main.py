@@ -33,7 +33,7 @@ TICK_S = 1.0  # how often uvicorn's loop wakes when nothing stops it: its Date h
 
 class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, app: FastAPI, grace_s: float):
-        self._wake: asyncio.Event | None = None
+        self._wake: asyncio.Event | None = None  # before uvicorn's __init__, which sets `should_exit`
         self._loop: asyncio.AbstractEventLoop | None = None
         super().__init__(config)
         self.app = app
