@@ -131,7 +131,10 @@ def test_the_load_of_an_unknown_model_is_a_404(fleet):
 def test_a_busy_preferred_worker_does_not_hold_its_requests(redis_url):
     """Two workers of one slot each: while the preferred worker runs a long request, the next one
     sent to it is taken by the idle worker after `--steal-after-ms`, and answered first."""
-    paced = ("--scripted-tokens-per-second", "20", "--max-concurrency", "1")
+    # Stealing after a second, as below: under load a worker a few ms late to claim the long request
+    # would lose it to the idle one, and the next request would find no busy worker (the likely
+    # reading of a CI run where the long request never showed as claimed from its worker's stream).
+    paced = ("--scripted-tokens-per-second", "20", "--max-concurrency", "1", "--steal-after-ms", "1000")
     workers = [start_worker(redis_url, "affinity-busy", *paced) for _ in range(2)]
     gateway = start_gateway(redis_url)
     try:
