@@ -10,6 +10,13 @@ sends everything queued since its last write as a single pipeline and hands each
 own reply (or its own error). While one pipeline is on the wire the next one fills, so batches
 grow with the load and a lone command waits for no timer.
 
+Commands reach Redis in the order they were queued (one connection; on a cluster, each node's in
+order). A command is queued when its call is awaited; `now` and `call_now` queue it at the call,
+and `sent()` waits until what is queued is being written, not for its replies: for a caller that
+must put commands ahead of whatever reaches Redis next, from this client or from another one
+acting for someone who saw what the caller did next (a request's unregistering, before its
+client reads the end of the answer).
+
 Only for commands that answer at once: blocking reads (XREAD, XREADGROUP) and pub/sub keep
 connections of their own. Transactions (MULTI/EXEC) are not batched.
 
@@ -21,13 +28,15 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+from collections.abc import Awaitable
 from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import EMPTY_RESPONSE, NEVER_DECODE, Pipeline
 from redis.asyncio.cluster import RedisCluster
+from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import NoScriptError, ResponseError
 
 from shared.redis_direct import direct_connection
 
@@ -44,6 +53,7 @@ class BatchedRedis(aioredis.Redis):
         self._client = redis
         self._connection = direct_connection(redis)  # None on a cluster: its pipeline sends each node its share
         self._queued: list[_Queued] = []
+        self._taken: asyncio.Future | None = None  # `sent()`'s: set as the queued batch is taken to be written
         self._wake = asyncio.Event()
         self._stopping = asyncio.Event()
 
@@ -55,6 +65,26 @@ class BatchedRedis(aioredis.Redis):
 
     async def execute_command(self, *args, **options) -> Any:
         return await self.queue_command(args, options)
+
+    def now(self, *args: Any) -> asyncio.Future:
+        """A command queued at this call, not when awaited: what this client is asked after it
+        reaches Redis after it. Awaited: its reply."""
+        return self.queue_command(args, {})
+
+    def sent(self) -> Awaitable[None]:
+        """Done once every command queued so far is being written: its batch is taken, and on one
+        server written in that same step of `run`, before anything this process does next."""
+        if not self._queued:
+            return asyncio.sleep(0)
+        if self._taken is None:
+            self._taken = asyncio.get_running_loop().create_future()
+        return asyncio.shield(self._taken)  # a waiter cancelled cancels not the others' wait
+
+    def call_now(self, script: AsyncScript, keys: list, args: list) -> asyncio.Task:
+        """`script(keys, args)` queued at this call, as `now` queues a command. A Redis that lost
+        the script (it restarted) gets it loaded, then called again, out of that order."""
+        return asyncio.ensure_future(_reloading(self.now("EVALSHA", script.sha, len(keys), *keys, *args),
+                                                script, keys, args))
 
     def pipeline(self, transaction: bool = True, shard_hint: str | None = None) -> Pipeline:
         if transaction:
@@ -81,10 +111,15 @@ class BatchedRedis(aioredis.Redis):
                 await self._wake.wait()
                 self._wake.clear()
                 batch, self._queued = self._queued, []
+                taken, self._taken = self._taken, None
+                if taken is not None and not taken.done():  # its waiters go on after this step, which writes it
+                    taken.set_result(None)
                 if batch:  # empty when woken by `stop`
                     await self._send(batch)
         finally:  # stopping: nobody will send what is still queued
             self._fail(self._queued, RedisConnectionError("the client is stopping"))
+            if self._taken is not None and not self._taken.done():
+                self._taken.set_result(None)
             if self._connection is not None:
                 await self._connection.close()
 
@@ -136,6 +171,13 @@ class BatchedRedis(aioredis.Redis):
         for _args, _options, future in batch:
             if not future.done():
                 future.set_exception(error)
+
+
+async def _reloading(sent: asyncio.Future, script: AsyncScript, keys: list, args: list) -> Any:
+    try:
+        return await sent
+    except NoScriptError:
+        return await script(keys=keys, args=args)
 
 
 class _QueuedPipeline(Pipeline):

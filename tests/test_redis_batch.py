@@ -134,3 +134,27 @@ async def test_replies_are_parsed_as_redis_py_parses_them(redis_url: str) -> Non
         await plain.delete(stream)
     finally:
         await plain.aclose()
+
+
+async def test_now_queues_at_the_call_and_sent_waits_for_the_write_not_the_reply(redis_url: str) -> None:
+    """How a gateway answers before its unregistering's replies: `now`/`call_now` put commands
+    ahead of what the client is asked next; `sent()` is done once they are written, while Redis,
+    paused here, has not answered them."""
+    async with batched_client(redis_url) as batched, aioredis.Redis.from_url(redis_url) as other:
+        key = _key("now")
+        script = batched.register_script("return redis.call('INCRBY', KEYS[1], ARGV[1])")
+        await script(keys=[key], args=[0])  # loaded
+        await other.execute_command("CLIENT", "PAUSE", 1000, "ALL")
+        later = batched.get(key)  # a coroutine: queued once awaited, so after the two below
+        first = batched.now("SET", key, 5, "EX", 60)
+        second = batched.call_now(script, [key], [2])
+        await asyncio.wait_for(batched.sent(), 0.5)  # written, while paused: no reply yet
+        assert not first.done() and not second.done()
+        await other.execute_command("CLIENT", "UNPAUSE")
+        assert await later == b"7"
+        assert await first is True and await second == 7
+        deleted = batched.now("DEL", key)
+        waiting = [asyncio.ensure_future(batched.sent()) for _ in range(2)]
+        waiting[0].cancel()  # one waiter gone leaves the other's wait
+        await asyncio.wait_for(waiting[1], 1)
+        assert await deleted == 1

@@ -32,11 +32,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-import redis.asyncio as aioredis
-
 from shared import keys
 from shared.codec import encode
 from shared.envelopes import CancelNotice, RequestEnvelope
+from shared.redis_batch import BatchedRedis
 
 # A member of `cancel-id:{group}` that no request id can be (request ids are hex): some run of
 # this group has finished.
@@ -94,7 +93,7 @@ def cancel_groups(envelope: RequestEnvelope) -> list[str]:
 
 
 class CancelRegistry:
-    def __init__(self, redis: aioredis.Redis):
+    def __init__(self, redis: BatchedRedis):
         self.redis = redis
         self._register = redis.register_script(_REGISTER)
         self._finish = redis.register_script(_FINISH)
@@ -109,9 +108,12 @@ class CancelRegistry:
             keys=[keys.cancel_id_key(group), keys.early_cancel_key(group)], args=[request_id, ttl]) for group in groups))
         return any(early)
 
-    async def finish(self, request_id: str, groups: list[str], ttl: int) -> None:
-        await asyncio.gather(self.redis.delete(keys.run_key(request_id)), *(
-            self._finish(keys=[keys.cancel_id_key(group)], args=[request_id, ttl, FINISHED]) for group in groups))
+    def finish(self, request_id: str, groups: list[str], ttl: int) -> asyncio.Future:
+        """Unregister a run that has ended, its commands queued at this call (`BatchedRedis.now`):
+        a cancel of it that this registry is asked for after this call finds it ended."""
+        return asyncio.gather(self.redis.now("DEL", keys.run_key(request_id)), *(
+            self.redis.call_now(self._finish, [keys.cancel_id_key(group)], [request_id, ttl, FINISHED])
+            for group in groups))
 
     async def cancel_requests(self, request_ids: list[str], reason: str, sent_at: float = 0.0) -> None:
         """Stop these requests wherever they are: queued (stash) or running (notice). The caller

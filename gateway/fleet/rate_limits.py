@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -48,6 +49,7 @@ from gateway.fleet.api_keys import ApiKey
 from shared import keys as redis_keys
 from shared.envelopes import ENCODER_KINDS, GENERATION_KINDS, GenerationChunk, RequestEnvelope
 from shared.errors import ModelNotFound, Overloaded
+from shared.redis_batch import BatchedRedis
 from shared.stopping import pause
 
 log = logging.getLogger(__name__)
@@ -195,7 +197,7 @@ class Grant:
 class RateLimits:
     """The gateway's side of every key's limits: admit, count, release; `run()` sends the counts."""
 
-    def __init__(self, redis, window_s: float):
+    def __init__(self, redis: BatchedRedis, window_s: float):
         self.redis = redis
         self.window_s = window_s
         self._admit = redis.register_script(_ADMIT)
@@ -232,16 +234,15 @@ class RateLimits:
         self._busy.set()
         return grant
 
-    async def release(self, grant: Grant | None) -> None:
-        """The request ended (however): send its last counts and free its place in flight. Once."""
+    def release(self, grant: Grant | None) -> Awaitable[None]:
+        """The request ended (however): send its last counts and free its place in flight. Once.
+        Queued at this call (`BatchedRedis.call_now`): a request of the key that this gateway
+        admits after it finds the place free. Awaited: until Redis has it."""
         if grant is None or grant.released:
-            return
+            return asyncio.sleep(0)
         grant.released = True
         self._running.discard(grant)
-        try:
-            await self._send(grant, grant.take_unsent(), release=True)
-        except (RedisError, OSError) as exc:  # its place frees itself at its deadline
-            log.warning("releasing request %s of key %s failed: %s", grant.request_id, grant.key.name, exc)
+        return _logged(self._send(grant, grant.take_unsent(), release=True), grant)
 
     async def run(self) -> None:
         """Every FLUSH_INTERVAL_S while requests run, send what their streams served since the last
@@ -264,14 +265,20 @@ class RateLimits:
         self._stopping.set()
         self._busy.set()
 
-    async def _send(self, grant: Grant, unsent: list[int], release: bool = False) -> None:
-        if not any(unsent) and not release:
-            return
+    def _send(self, grant: Grant, unsent: list[int], release: bool = False) -> asyncio.Task:
+        """The grant's counts not sent yet (and with `release`, its place in flight freed), queued at this call."""
         window, prompt, completion = unsent
         _requests, tokens_key, in_flight = redis_keys.rate_keys(grant.key.name)
-        await self._settle(keys=[tokens_key, redis_keys.usage_key(grant.key.name), in_flight],
-                           args=[self.window_s, redis_keys.RATE_SLOTS, window, grant.model, prompt, completion,
-                                 redis_keys.USAGE_TTL_S, grant.request_id if release else ""])
+        return self.redis.call_now(self._settle, [tokens_key, redis_keys.usage_key(grant.key.name), in_flight],
+                                   [self.window_s, redis_keys.RATE_SLOTS, window, grant.model, prompt, completion,
+                                    redis_keys.USAGE_TTL_S, grant.request_id if release else ""])
+
+
+async def _logged(sent: Awaitable, grant: Grant) -> None:
+    try:
+        await sent
+    except (RedisError, OSError) as exc:  # its place frees itself at its deadline
+        log.warning("releasing request %s of key %s failed: %s", grant.request_id, grant.key.name, exc)
 
 
 def prompt_estimate(envelope: RequestEnvelope) -> int:

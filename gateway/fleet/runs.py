@@ -19,7 +19,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import NoReturn, Protocol
@@ -371,8 +371,8 @@ class Fleet:
         self.router = ReplyRouter(self.redis, settings.gateway_id, settings.max_buffered_chunks,
                                   on_overflow=self._cancel_slow_client)
         # Per-request commands share pipelines; the router's blocking read keeps its own connection.
-        # A finished run is unregistered before its client reads the end of the answer
-        # (`end`, awaited by gateway/serve/life.py), so a cancel sent right after it finds nothing.
+        # A finished run's unregistering is on its way to Redis before its client can read the end
+        # of the answer (`end`, gateway/serve/life.py), so a cancel sent right after it finds nothing.
         self.batched = BatchedRedis(self.redis)
         # The registry's reads, twice a second, join them on one server (a cluster's client scans
         # every node itself): most of an idle gateway's CPU went to redis-py's layers around them.
@@ -497,11 +497,14 @@ class Fleet:
     def end(self, run: Run) -> asyncio.Task:
         """Close the run's route and unregister it (cancelling it first if it had not ended), in
         the background, since callers are often being cancelled themselves. Once per run: the
-        task is the same whoever asks (the owner's exit, or the request's end awaiting it)."""
+        task is the same whoever asks (the owner's exit, or the request's end). A run that has
+        ended has its unregistering queued at this call (`BatchedRedis.now`): a cancel of it, or
+        its key's next request, that this gateway sends after it reaches Redis after it, so the
+        client need not wait for Redis's replies to read the end of its answer."""
         if run.ending is None:
             run.close()
             self.router.close(run.request_id)
-            run.ending = self.spawn(self._unregister(run))
+            run.ending = self.spawn(self._unregister(run) if run.cancel_reason is not None else self._finish(run))
         return run.ending
 
     def _ready_takeover(self, run: Run, state: Continuation | None) -> None:
@@ -599,16 +602,29 @@ class Fleet:
             raise
 
     async def _unregister(self, run: Run) -> None:
+        """Cancel a run that had not ended, then unregister it."""
         try:
-            if (cancel_reason := run.cancel_reason) is not None:
-                if not await self._withdraw(run):  # a worker may have it: it drops or stops it
-                    await self.cancels.cancel_requests([run.request_id], cancel_reason, run.closed_at)
-                metrics.CANCELS.labels(cancel_reason).inc()
-            if not run.unreachable:
-                await self.cancels.finish(run.request_id, cancel_groups(run.envelope), self._ttl(run.envelope))
+            if not await self._withdraw(run):  # a worker may have it: it drops or stops it
+                await self.cancels.cancel_requests([run.request_id], run.cancel_reason, run.closed_at)
+            metrics.CANCELS.labels(run.cancel_reason).inc()
+        except (RedisError, OSError) as exc:
+            log.warning("cancelling request %s failed: %s", run.request_id, exc)
+        await self._finish(run)
+
+    def _finish(self, run: Run) -> Awaitable[None]:
+        """Unregister an ended run and free its key's place, the commands queued at this call."""
+        finishing = None if run.unreachable else self.cancels.finish(run.request_id, cancel_groups(run.envelope),
+                                                                      self._ttl(run.envelope))
+        return self._finished(run, finishing, self.limits.release(run.grant))
+
+    @staticmethod
+    async def _finished(run: Run, finishing: Awaitable | None, releasing: Awaitable[None]) -> None:
+        try:
+            if finishing is not None:
+                await finishing
         except (RedisError, OSError) as exc:
             log.warning("unregistering request %s failed: %s", run.request_id, exc)
-        await self.limits.release(run.grant)
+        await releasing
 
     async def _withdraw(self, run: Run) -> bool:
         """Take an unended request back from the queue if no worker has claimed it (one script), so

@@ -112,13 +112,14 @@ class RequestLife(AbstractAsyncContextManager):
         self.outcome.refused = refused
 
     async def settle(self, terminal: GenerationChunk) -> None:
-        """End a request whose answer is complete, and wait until its run is unregistered and its
-        history stored, before the client can read the end of the answer: a cancel sent right
-        after it finds nothing (`cancelled: 0`), and a next turn finds this one. Shielded: done
-        even if the client goes away now."""
+        """End a request whose answer is complete, before the client can read the end of the
+        answer: wait until its run's unregistering is on its way to Redis (`Fleet.end`), not for
+        Redis's replies, so that a cancel sent right after it finds nothing (`cancelled: 0`) and
+        its key's next request finds its place free; with history hooks, until its history is
+        stored, so that a next turn finds this one. Shielded: done even if the client goes away now."""
         self.outcome.terminal = terminal
         self._end()
-        await asyncio.shield(self._ending)
+        await asyncio.shield(self._ending if self._hooks else self.fleet.batched.sent())
 
     async def stored(self) -> None:
         """Once a request has ended without an answer (refused, failed before its first chunk):
@@ -143,6 +144,7 @@ class RequestLife(AbstractAsyncContextManager):
         elapsed = time.monotonic() - self._started
         metrics.REQUEST_LATENCY.labels(self.envelope.model, self.endpoint).observe(elapsed)
         accounting.log_request(elapsed)
+        self.fleet.end(run)  # its unregistering queued now, ahead of whatever this gateway sends next
         self._ending = self.fleet.spawn(self._store())
 
     async def _store(self) -> None:
