@@ -111,7 +111,10 @@ class CancelRegistry:
     def finish(self, request_id: str, groups: list[str], ttl: int) -> asyncio.Future:
         """Unregister a run that has ended, its commands queued at this call (`BatchedRedis.now`):
         a cancel of it that this registry is asked for after this call finds it ended."""
-        return asyncio.gather(self.redis.now("DEL", keys.run_key(request_id)), *(
+        deleted = self.redis.now("DEL", keys.run_key(request_id))
+        if not groups:
+            return deleted
+        return asyncio.gather(deleted, *(
             self.redis.call_now(self._finish, [keys.cancel_id_key(group)], [request_id, ttl, FINISHED])
             for group in groups))
 

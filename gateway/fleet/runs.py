@@ -615,16 +615,17 @@ class Fleet:
         """Unregister an ended run and free its key's place, the commands queued at this call."""
         finishing = None if run.unreachable else self.cancels.finish(run.request_id, cancel_groups(run.envelope),
                                                                       self._ttl(run.envelope))
-        return self._finished(run, finishing, self.limits.release(run.grant))
+        return self._finished(run, finishing, None if run.grant is None else self.limits.release(run.grant))
 
     @staticmethod
-    async def _finished(run: Run, finishing: Awaitable | None, releasing: Awaitable[None]) -> None:
+    async def _finished(run: Run, finishing: Awaitable | None, releasing: Awaitable[None] | None) -> None:
         try:
             if finishing is not None:
                 await finishing
         except (RedisError, OSError) as exc:
             log.warning("unregistering request %s failed: %s", run.request_id, exc)
-        await releasing
+        if releasing is not None:
+            await releasing
 
     async def _withdraw(self, run: Run) -> bool:
         """Take an unended request back from the queue if no worker has claimed it (one script), so

@@ -119,7 +119,10 @@ class RequestLife(AbstractAsyncContextManager):
         stored, so that a next turn finds this one. Shielded: done even if the client goes away now."""
         self.outcome.terminal = terminal
         self._end()
-        await asyncio.shield(self._ending if self._hooks else self.fleet.batched.sent())
+        if self._hooks:
+            await asyncio.shield(self._ending)
+        else:
+            await self.fleet.batched.sent()  # shielded
 
     async def stored(self) -> None:
         """Once a request has ended without an answer (refused, failed before its first chunk):
@@ -144,8 +147,8 @@ class RequestLife(AbstractAsyncContextManager):
         elapsed = time.monotonic() - self._started
         metrics.REQUEST_LATENCY.labels(self.envelope.model, self.endpoint).observe(elapsed)
         accounting.log_request(elapsed)
-        self.fleet.end(run)  # its unregistering queued now, ahead of whatever this gateway sends next
-        self._ending = self.fleet.spawn(self._store())
+        unregistering = self.fleet.end(run)  # queued now, ahead of whatever this gateway sends next
+        self._ending = self.fleet.spawn(self._store()) if self._hooks else unregistering
 
     async def _store(self) -> None:
         """After the run is unregistered (cancelled first if it had not ended), the history hooks."""
