@@ -102,11 +102,15 @@ class CancelRegistry:
 
     async def register(self, request_id: str, tenant: str, groups: list[str], ttl: int) -> bool:
         """Record a run of `tenant` before it is queued; True if a cancel of one of its groups came first."""
-        registered = self.redis.set(keys.run_key(request_id), tenant, ex=ttl)
         # Side by side: the keys may live on different cluster nodes.
-        _, *early = await asyncio.gather(registered, *(self._register(
+        _, *early = await asyncio.gather(self.record(request_id, tenant, ttl), *(self._register(
             keys=[keys.cancel_id_key(group), keys.early_cancel_key(group)], args=[request_id, ttl]) for group in groups))
         return any(early)
+
+    def record(self, request_id: str, tenant: str, ttl: int) -> asyncio.Future:
+        """Record a run of `tenant` that no cancel can have come for (it has no groups), queued at this
+        call, ahead of its request's queueing."""
+        return self.redis.now("SET", keys.run_key(request_id), tenant, "EX", ttl)
 
     def finish(self, request_id: str, groups: list[str], ttl: int) -> asyncio.Future:
         """Unregister a run that has ended, its commands queued at this call (`BatchedRedis.now`):

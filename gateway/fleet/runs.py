@@ -480,8 +480,7 @@ class Fleet:
                     return
                 await self._place(run)
             else:  # nothing can have cancelled it: register and queue in the same batch, one round trip
-                registering = asyncio.ensure_future(self.cancels.register(envelope.request_id, envelope.tenant, [],
-                                                                          self._ttl(envelope)))
+                registering = self.cancels.record(envelope.request_id, envelope.tenant, self._ttl(envelope))
                 try:
                     await self._place(run)
                 finally:
