@@ -73,8 +73,9 @@ class BatchedRedis(aioredis.Redis):
 
     def sent(self) -> Awaitable[None]:
         """Done once every command queued so far is being written: its batch is taken, and on one
-        server written in that same step of `run`, before anything this process does next."""
-        if not self._queued:
+        server written in that same step of `run`, before anything this process does next. At
+        once if nothing is queued, or the client is stopping (`run` may have ended)."""
+        if not self._queued or self._stopping.is_set():
             return asyncio.sleep(0)
         if self._taken is None:
             self._taken = asyncio.get_running_loop().create_future()

@@ -120,6 +120,19 @@ async def test_stopping_fails_what_is_still_queued(redis_url: str) -> None:
     await redis.aclose()
 
 
+async def test_sent_does_not_wait_on_a_stopped_client(redis_url: str) -> None:
+    """A request ending while its gateway stops is not held by a batch nobody will send."""
+    redis = aioredis.Redis.from_url(redis_url)
+    batched = BatchedRedis(redis)
+    runner = asyncio.create_task(batched.run())
+    batched.stop()
+    await runner
+    late = batched.now("GET", _key("late"))
+    await asyncio.wait_for(batched.sent(), 1)
+    late.cancel()
+    await redis.aclose()
+
+
 async def test_replies_are_parsed_as_redis_py_parses_them(redis_url: str) -> None:
     stream = _key("stream")
     plain = aioredis.Redis.from_url(redis_url)
