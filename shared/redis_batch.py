@@ -72,9 +72,10 @@ class BatchedRedis(aioredis.Redis):
         return self.queue_command(args, {})
 
     def sent(self) -> Awaitable[None]:
-        """Done once every command queued so far is being written: its batch is taken, and on one
-        server written in that same step of `run`, before anything this process does next. At
-        once if nothing is queued, or the client is stopping (`run` may have ended)."""
+        """Done once every command queued so far is being written: on one server, once its batch
+        is taken, which that same step of `run` writes, before anything this process does next;
+        on a cluster, once the batch is answered. At once if nothing is queued, or the client is
+        stopping (`run` may have ended)."""
         if not self._queued or self._stopping.is_set():
             return asyncio.sleep(0)
         if self._taken is None:
@@ -107,20 +108,22 @@ class BatchedRedis(aioredis.Redis):
         self._wake.set()
 
     async def run(self) -> None:
+        taken = None
         try:
             while not self._stopping.is_set() or self._queued:
                 await self._wake.wait()
                 self._wake.clear()
                 batch, self._queued = self._queued, []
                 taken, self._taken = self._taken, None
-                if taken is not None and not taken.done():  # its waiters go on after this step, which writes it
-                    taken.set_result(None)
+                if self._connection is not None or not batch:  # its waiters go on after this step, which writes it
+                    _done(taken)
                 if batch:  # empty when woken by `stop`
                     await self._send(batch)
+                    _done(taken)  # a cluster's pipeline writes after awaits of its own: once answered
         finally:  # stopping: nobody will send what is still queued
             self._fail(self._queued, RedisConnectionError("the client is stopping"))
-            if self._taken is not None and not self._taken.done():
-                self._taken.set_result(None)
+            _done(taken)
+            _done(self._taken)
             if self._connection is not None:
                 await self._connection.close()
 
@@ -172,6 +175,11 @@ class BatchedRedis(aioredis.Redis):
         for _args, _options, future in batch:
             if not future.done():
                 future.set_exception(error)
+
+
+def _done(taken: asyncio.Future | None) -> None:
+    if taken is not None and not taken.done():
+        taken.set_result(None)
 
 
 async def _reloading(sent: asyncio.Future, script: AsyncScript, keys: list, args: list) -> Any:
