@@ -85,7 +85,7 @@ async def stream_frames(life: RequestLife, writer: EventWriter, first: Generatio
                         rest: AsyncIterator[GenerationChunk]) -> AsyncIterator[list[bytes]]:
     """The frames of a started stream, a list per chunk, ending with the family's end (or its
     error events, on an error after the first byte). The request's life is settled at its terminal
-    chunk (the run unregistered, its history stored) before the end goes out: a cancel sent right
+    chunk (its unregistering on its way to Redis, its history stored) before the end goes out: a cancel sent right
     after the answer finds nothing, and the next turn of a session finds this one. Closing this
     early leaves the request to its owner, whose end cancels the run.
 
