@@ -29,20 +29,29 @@ class _Tagged(logging.Filter):
 
 
 class TextFormatter(logging.Formatter):
-    """`2026-11-23 02:00:00,123 INFO gateway.access: [id] message key=value ...`"""
+    """`2026-11-23 02:00:00,123 INFO gateway.access: [id] message key=value ...`
+
+    A gateway writes a line per request, so the line is put together in one step, and the
+    date and time of its second only once a second."""
 
     def __init__(self):
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self._second = -1
+        self._stamp = ""
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        second = int(record.created)
+        if second != self._second:  # format() runs under its handler's lock: one thread at a time
+            self._stamp, self._second = time.strftime("%Y-%m-%d %H:%M:%S", self.converter(second)), second
+        return f"{self._stamp},{int(record.msecs):03d}"
 
     def formatMessage(self, record: logging.LogRecord) -> str:
-        line = super().formatMessage(record)
+        request_id = getattr(record, "request_id", "")
+        line = f"{record.asctime} {record.levelname} {record.name}: " \
+               f"{f'[{request_id}] ' if request_id else ''}{record.message}"
         fields = getattr(record, "fields", None)
         if fields:
-            line += " " + " ".join(f"{key}={_text(value)}" for key, value in fields.items() if value is not None)
-        request_id = getattr(record, "request_id", "")
-        if request_id:
-            head, sep, message = line.partition(": ")
-            line = f"{head}{sep}[{request_id}] {message}"
+            line += " " + " ".join([f"{key}={_text(value)}" for key, value in fields.items() if value is not None])
         return line
 
 
@@ -67,9 +76,9 @@ class JsonFormatter(logging.Formatter):
 
 
 def _text(value: Any) -> str:
-    if isinstance(value, float):
+    if type(value) is float:
         return f"{value:.4f}"
-    text = str(value)
+    text = value if type(value) is str else str(value)
     return orjson.dumps(text).decode() if not text or " " in text or '"' in text else text
 
 

@@ -23,8 +23,8 @@ import contextlib
 import contextvars
 import logging
 import re
+import secrets
 import time
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -141,7 +141,7 @@ def _request_id(scope: Scope) -> str:
     for name, value in scope["headers"]:
         if name == b"x-request-id" and _SANE_ID.fullmatch(value):
             return value.decode()
-    return uuid.uuid4().hex
+    return secrets.token_hex(16)
 
 
 def _route_path(scope: Scope) -> str | None:

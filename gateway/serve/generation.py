@@ -19,8 +19,8 @@ request's life ends before its terminal chunk, which publishes the cancel to the
 from __future__ import annotations
 
 import inspect
+import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack
 from typing import Any
@@ -113,7 +113,7 @@ def new_envelope(raw: dict[str, Any], kind: str, model: str, settings: GatewaySe
     if body is not None and body.timeout:
         timeout = min(body.timeout, timeout)
     return RequestEnvelope(
-        request_id=uuid.uuid4().hex, model=model, kind=kind, reply_to="", arrival=now,
+        request_id=secrets.token_hex(16), model=model, kind=kind, reply_to="", arrival=now,
         deadline=now + timeout, queue_deadline=now + min(settings.queue_timeout_s, timeout),
         stream=body is not None and body.stream, body=raw, params=params or SamplingOptions(),
         cancel_id=body.cancel_id if body is not None else None, batch_replies=True,
