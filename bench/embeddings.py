@@ -61,8 +61,8 @@ PART_INPUTS = 256
 def workloads(quick: bool) -> list[dict]:
     """(inputs per request, concurrent clients, requests) of each workload."""
     shapes = [(1, 1), (1, 64), (64, 1), (64, 8)] if quick else [(1, 1), (1, 8), (1, 64), (64, 1), (64, 8), (64, 64)]
-    return [{"inputs": inputs, "concurrency": clients, "requests": max(16, 2 * clients) if inputs == 64
-             else max(64, 8 * clients)} for inputs, clients in shapes]
+    return [{"inputs": inputs, "concurrency": clients, "requests": max(32, 2 * clients) if inputs == 64
+             else max(256, 32 * clients)} for inputs, clients in shapes]
 
 
 def texts(count: int, seed: int) -> list[str]:

@@ -153,8 +153,11 @@ def vllm_serves(tiny_model_dir: str):
 @pytest.fixture(scope="session")
 def encoder_pair(redis_url: str, tiny_model_dir: str):
     """The tiny model as an embedding model: llmfleet's vLLM encoder worker and `vllm serve --runner
-    pooling` with the same options (tests/parity/encoders.py), started with the session's other engines."""
-    pair = EncoderPair(redis_url, tiny_model_dir)
+    pooling` with the same options (tests/parity/encoders.py), started with the session's other engines.
+    The worker encodes requests together (`--encode-together`, tested by test_vllm_encoders.py); a
+    request that reaches it alone, as the parity battery sends them, is one call of the handler, as
+    with the option off."""
+    pair = EncoderPair(redis_url, tiny_model_dir, worker_options=("--encode-together",))
     yield pair
     pair.stop()
 

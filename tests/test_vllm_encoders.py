@@ -112,8 +112,9 @@ def test_generation_on_the_embedding_model_is_refused(servers):
 
 def test_requests_that_reach_the_worker_together_are_encoded_together_each_with_its_own_answer(servers,
                                                                                               encoder_pair):
-    """Many clients' requests waiting together: the worker claims them in one read and encodes those
-    of the same options with one call of vLLM's handler (worker/adapters/vllm_pooling.py). Each
+    """Many clients' requests waiting together: the worker claims them in one read and, with
+    `--encode-together` (the fixture's worker has it), encodes those of the same options with one
+    call of vLLM's handler (worker/adapters/vllm_pooling.py). Each
     still gets its own answer, as `vllm serve` gives it: its vectors, its prompt tokens; one with a
     token outside the vocabulary gets its own 400 (its call refused, the requests it was to share
     it with are encoded alone), and the rest their answers all the same."""

@@ -222,7 +222,8 @@ def build_adapter(settings: WorkerSettings) -> Adapter:
                                         and engine_args.create_model_config().runner_type == "pooling"):
         from worker.adapters.vllm_pooling import VLLMPoolingAdapter
 
-        return VLLMPoolingAdapter(engine_args, settings.name, chat_template=_read(settings.chat_template))
+        return VLLMPoolingAdapter(engine_args, settings.name, chat_template=_read(settings.chat_template),
+                                  encode_together=settings.encode_together)
     from worker.adapters.vllm import VLLMAdapter
 
     return VLLMAdapter(engine_args, settings.name, chat_template=_read(settings.chat_template),

@@ -40,10 +40,11 @@ class EncoderPair:
     """The encoder worker (behind a gateway of its own) and `vllm serve`, started side by side;
     `urls()` once both serve."""
 
-    def __init__(self, redis_url: str, model_dir: str, model: str = MODEL, options: list[str] = OPTIONS):
+    def __init__(self, redis_url: str, model_dir: str, model: str = MODEL, options: list[str] = OPTIONS,
+                 worker_options: tuple[str, ...] = ()):
         self.redis_url, self.model = redis_url, model
-        self.worker = start_worker(redis_url, model_dir, *ENGINE_OPTIONS, *options, engine="vllm", served_name=model,
-                                   env=ENGINE_ENV, wait=False)
+        self.worker = start_worker(redis_url, model_dir, *ENGINE_OPTIONS, *options, *worker_options, engine="vllm",
+                                   served_name=model, env=ENGINE_ENV, wait=False)
         self.serve = _start_vllm_serve(model_dir, model, options)
         self.gateway: Proc | None = None
 

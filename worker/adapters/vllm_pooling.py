@@ -17,12 +17,16 @@ The kinds a worker announces are what its model serves, as `vllm serve` register
 embed for an embedding model; classify for a classifier; score and rerank for an embedding model
 or a classifier with one label; pooling for every pooling model; tokenize and detokenize always.
 
-Requests encoded together: many clients' small requests reach a worker at once (it claims every
-waiting entry it has room for in one read), and vLLM's handler costs about as much per request as
-per input. So the embed, classify and pooling requests that reach `encode` in the same turn of
-the event loop, each a list of inputs with the same options otherwise, go through one call of the
-handler (`_Merged`), and each request gets its own inputs' outputs and prompt tokens back. If that
-call is refused (one request's input is bad), each request is encoded alone, for its own answer.
+Requests encoded together (`--encode-together`, off by default): many clients' small requests reach
+a worker at once (it claims every waiting entry it has room for in one read), and vLLM's handler
+costs about as much per request as per input. So the embed, classify and pooling requests that
+reach `encode` in the same turn of the event loop, each a list of inputs with the same options
+otherwise, go through one call of the handler (`_Merged`), and each request gets its own inputs'
+outputs and prompt tokens back. If that call is refused (one request's input is bad), each request
+is encoded alone, for its own answer. Each request of a call waits for the whole call, though:
+measured here, that cost more inputs/s than the CPU it saves (docs/benchmarks.md, "Ninth pass").
+Without it, the requests of one read still reach the engine in the same moment, and its steps
+batch them; their renders still go to vLLM's renderer threads in one job (`_RenderTogether`).
 
 Cancellation: the runner cancels the task awaiting `encode`; the handler's engine generators
 are closed with it, which aborts their engine requests (`AsyncLLM.encode`). A request encoded with
@@ -242,10 +246,11 @@ class VLLMPoolingAdapter(AsyncLLMLifetime, EncoderAdapter, TokenizerAdapter):
     kinds = (*ENCODER_KINDS, *TOKENIZER_KINDS)  # until `start` knows the model's
 
     def __init__(self, engine_args: AsyncEngineArgs, served_model_name: str | None = None, *,
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, encode_together: bool = False):
         super().__init__(served_model_name or engine_args.model, engine_args.max_model_len or 0)
         self.engine_args = engine_args
         self.chat_template = chat_template
+        self.encode_together = encode_together
         self.engine: AsyncLLM | None = None
         self._handlers: dict[str, Any] = {}
         self._outputs: dict[str, Callable[[PoolingServeContext], tuple[list[Pooled], int]]] = {}
@@ -283,12 +288,13 @@ class VLLMPoolingAdapter(AsyncLLMLifetime, EncoderAdapter, TokenizerAdapter):
         self._outputs[kind] = outputs
 
     async def encode(self, request: RequestEnvelope) -> GenerationChunk:
-        """`vllm serve`'s handler of the request's kind, its outputs packed for the wire; with the
-        requests of the same kind and options that came in the same loop turn, where it can be."""
+        """`vllm serve`'s handler of the request's kind, its outputs packed for the wire; with
+        `encode_together`, with the requests of the same kind and options that came in the same
+        loop turn, where it can be."""
         if request.kind not in self._handlers:  # a kind `--kinds` named that this model cannot serve
             return GenerationChunk(done=True, finish_reason="error", error=InvalidRequest(
                 f"The model does not support the {API_NAMES[request.kind]} API.").to_info())
-        key = _merge_key(request)
+        key = _merge_key(request) if self.encode_together else None
         if key is None:
             return await self._encode(request)
         merged = self._gathering.get(key)
