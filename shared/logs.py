@@ -76,7 +76,7 @@ class JsonFormatter(logging.Formatter):
 
 
 def _text(value: Any) -> str:
-    if type(value) is float:
+    if isinstance(value, float):
         return f"{value:.4f}"
     text = value if type(value) is str else str(value)
     return orjson.dumps(text).decode() if not text or " " in text or '"' in text else text

@@ -114,10 +114,10 @@ def test_requests_that_reach_the_worker_together_are_encoded_together_each_with_
                                                                                               encoder_pair):
     """Many clients' requests waiting together: the worker claims them in one read and, with
     `--encode-together` (the fixture's worker has it), encodes those of the same options with one
-    call of vLLM's handler (worker/adapters/vllm_pooling.py). Each
-    still gets its own answer, as `vllm serve` gives it: its vectors, its prompt tokens; one with a
-    token outside the vocabulary gets its own 400 (its call refused, the requests it was to share
-    it with are encoded alone), and the rest their answers all the same."""
+    call of vLLM's handler (worker/adapters/vllm_pooling.py). Each still gets its own answer, as
+    `vllm serve` gives it: its vectors, its prompt tokens; one with a token outside the vocabulary
+    gets its own 400 (its call refused, the requests it was to share it with are encoded alone),
+    and the rest their answers all the same."""
     vllm_url, fleet_url = servers
     bodies = [{"model": MODEL, "input": f"The sea number {i} is calm tonight."} for i in range(40)]
     bodies += [{"model": MODEL, "input": ["a tide of words", "hello there"]},

@@ -57,6 +57,11 @@ class WorkerSettings:
                                      "model while no live worker accepts it.")
     enable_log_requests: bool = setting(False, "Log one line per request at its end (id, tenant, model, tokens, stage "
                                         "times, finish reason) on `llmfleet.requests`, as vllm serve's option.")
+    encode_together: bool = setting(False, "An encoder: the requests claimed in one read whose options match go "
+                                    "through one call of vLLM's handler, and each waits for the whole call. That "
+                                    "saves the worker CPU per request and costs latency: off by default, since "
+                                    "64 clients of single inputs got 7-18 % fewer inputs/s with it here "
+                                    "(docs/benchmarks.md); on for a worker whose own CPU is what limits it.")
     # vLLM's engine, as `vllm serve` takes it.
     max_model_len: int | None = setting(None, "Context length (prompt plus output) in tokens; default: the model's.",
                                         kind=int, engine=True)
@@ -96,11 +101,6 @@ class WorkerSettings:
                                             "--tool-call-parser.")
     reasoning_parser: str | None = setting(None, "vLLM's reasoning parser for the model (deepseek_r1, qwen3, ...).",
                                            kind=str)
-    encode_together: bool = setting(False, "An encoder: the requests claimed in one read whose options match go "
-                                    "through one call of vLLM's handler, and each waits for the whole call. That "
-                                    "saves the worker CPU per request and costs latency: off by default, since "
-                                    "64 clients of single inputs got 7-18 % fewer inputs/s with it here "
-                                    "(docs/benchmarks.md); on for a worker whose own CPU is what limits it.")
     enable_prompt_tokens_details: bool = setting(False, "Report the prompt tokens found in the prefix cache "
                                                  "(usage.prompt_tokens_details.cached_tokens), as vllm serve's option.")
     # The scripted engine.
