@@ -60,7 +60,7 @@ class WorkerSettings:
     encode_together: bool = setting(False, "An encoder: the requests claimed in one read whose options match go "
                                     "through one call of vLLM's handler, and each waits for the whole call. That "
                                     "saves the worker CPU per request and costs latency: off by default, since "
-                                    "64 clients of single inputs got 7-18 % fewer inputs/s with it here "
+                                    "64 clients of single inputs got 6-18 % fewer inputs/s with it here "
                                     "(docs/benchmarks.md); on for a worker whose own CPU is what limits it.")
     # vLLM's engine, as `vllm serve` takes it.
     max_model_len: int | None = setting(None, "Context length (prompt plus output) in tokens; default: the model's.",
