@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import os
 import shutil
@@ -86,6 +87,25 @@ def options_of(settings_class) -> list[tuple[str, Any, str]]:
             if f.metadata]
 
 
+class JsonObject(click.ParamType):
+    """An option whose value is a JSON object, as vllm serve's own JSON options take them."""
+    name = "json"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, dict):
+            return value
+        try:
+            parsed = json.loads(value)
+        except ValueError as exc:
+            self.fail(f"not JSON: {exc}", param, ctx)
+        if not isinstance(parsed, dict):
+            self.fail("must be a JSON object", param, ctx)
+        return parsed
+
+
+JSON_OBJECT = JsonObject()
+
+
 def settings_options(settings_class):
     """An option per setting of `settings_class` (gateway/settings.py, worker/settings.py): its
     default, type and help come from the field, so the settings are the only place of defaults."""
@@ -99,7 +119,9 @@ def settings_options(settings_class):
             kind = meta.get("kind") or type(default)
             if isinstance(default, tuple):
                 kind, default = str, ",".join(default)
-            if "choices" in meta:
+            if kind is dict:
+                kind = JSON_OBJECT
+            elif "choices" in meta:
                 kind = click.Choice(meta["choices"])
             elif "minimum" in meta:
                 kind = click.IntRange(min=meta["minimum"])

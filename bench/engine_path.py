@@ -88,10 +88,11 @@ def vllm_cli_env():
         yield {**env, "PYTHONPATH": os.pathsep.join(filter(None, [shim, os.environ.get("PYTHONPATH")]))}
 
 
-def start_vllm_serve(model_dir: Path, env: dict) -> Proc:
+def start_vllm_serve(model_dir: Path, env: dict, *engine_args: str) -> Proc:
+    """`vllm serve` with the benchmarks' engine options (`ENGINE_ARGS`) and `engine_args`."""
     port = free_port()
     proc = spawn("vllm-serve", [str(VENV_BIN / "vllm"), "serve", str(model_dir), "--served-model-name", MODEL,
-                                "--port", str(port), "--host", "127.0.0.1", *ENGINE_ARGS], env)
+                                "--port", str(port), "--host", "127.0.0.1", *ENGINE_ARGS, *engine_args], env)
     proc.url = f"http://127.0.0.1:{port}"
     return proc
 
@@ -191,17 +192,19 @@ class Backends(contextlib.ExitStack):
             self.skipped["LiteLLM proxy"] = litellm
         return urls
 
-    def _start_llmfleet(self, name: str, model_dir: Path, urls: dict[str, str], env: dict | None = None) -> None:
-        """Redis, one vLLM worker and one gateway (from `env`'s PYTHONPATH if given)."""
+    def _start_llmfleet(self, name: str, model_dir: Path, urls: dict[str, str], env: dict | None = None,
+                        engine_args: tuple[str, ...] = ()) -> Proc:
+        """Redis, one vLLM worker (returned) and one gateway (from `env`'s PYTHONPATH if given)."""
         redis = self._own(start_redis())
-        worker = self._own(start_worker(redis.url, str(model_dir), *ENGINE_ARGS, "--max-concurrency", "256",
-                                        engine="vllm", served_name=MODEL, env={**ENGINE_ENV, **(env or {})},
+        worker = self._own(start_worker(redis.url, str(model_dir), *ENGINE_ARGS, *engine_args, "--max-concurrency",
+                                        "256", engine="vllm", served_name=MODEL, env={**ENGINE_ENV, **(env or {})},
                                         timeout=600))
         # vLLM's client splits SSE naively: it cannot read `id:` lines, so none are written.
         gateway = self._own(start_gateway(redis.url, env={**(env or {}), "LLMFLEET_SSE_EVENT_IDS": "false"}))
         wait_until_served(gateway, MODEL, timeout=60)
         urls[name] = gateway.url
         self.frontends[name] = [worker.pid, gateway.pid, redis.pid]
+        return worker
 
     def _own(self, proc: Proc) -> Proc:
         self.callback(proc.stop, 60)

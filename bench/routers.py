@@ -17,7 +17,9 @@ CPU per output token beside the engine: every process of a server but vLLM's eng
 API server; the router; llmfleet's gateway, Redis and worker process), per token generated, over
 the benchmark itself (and, beside it, over the whole client call, whose first ~8 s are the client
 starting), also as a ratio to `vllm serve`'s API server's; and what each spends idle. A router's
-row is its own process plus the `vllm serve` API server behind it.
+row is its own process plus the `vllm serve` API server behind it. Beside the client's inter-token
+latency, its engine's (vLLM's own histogram, timed at each engine step, read off /metrics before and
+after each run): the client's tail less the engine's is what the path after the engine adds.
 
     python -m bench.routers [--quick] [--rounds N] [--concurrency 1,8,32,64,128]
 
@@ -27,6 +29,8 @@ Writes bench/results/routers.json and .png, prints a markdown table.
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import statistics
 import subprocess
 import sys
@@ -34,15 +38,24 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
+
 from bench.common import ENGINE_ARGS, ENGINE_ENV, RESULTS, cpu_seconds, plot_bars, progress, save
 from bench.engine_path import Backends, bench_serve, start_vllm_serve, vllm_cli_env
 from tests.procs import Proc, free_port, spawn, wait_until_answers
+from worker.publisher import COALESCE_MOST_S
 
 CACHE = Path.home() / ".cache" / "llmfleet"
 ROUTERS = {"vllm-router": "vllm-router==0.1.17", "sglang-router": "sglang-router==0.3.2"}
 LAUNCH = {"vllm-router": "vllm_router.launch_router", "sglang-router": "sglang_router.launch_router"}
-METRICS = ("output_throughput", "p50_ttft_ms", "p99_ttft_ms", "p50_itl_ms", "p99_itl_ms")
+METRICS = ("output_throughput", "p50_ttft_ms", "p99_ttft_ms", "p50_itl_ms", "p99_itl_ms", "p50_engine_itl_ms",
+           "p99_engine_itl_ms")
 TOKENS = 128
+# The engine's own inter-token latency (vLLM's `vllm:inter_token_latency_seconds`, timed by its engine core
+# at each step), in 1 ms buckets: beside the client's, it says how much of a tail the engine's steps make
+# and how much the path after it adds.
+ITL_BUCKETS_S = [round(0.001 * i, 3) for i in range(1, 151)] + [0.2, 0.3, 0.5, 1.0, 2.0]
+ENGINE_ITL = ("--custom-histogram-buckets", json.dumps({"inter_token_latency": ITL_BUCKETS_S}))
 
 
 def ensure_router(name: str) -> Path | str:
@@ -79,10 +92,11 @@ class Servers(Backends):
 
     def start_all(self, model_dir: Path, env: dict) -> dict[str, str]:
         sys.stderr.write("starting vllm serve and an llmfleet vLLM worker on the tiny model (about a minute)...\n")
-        serve = self._own(start_vllm_serve(model_dir, env))
+        serve = self._own(start_vllm_serve(model_dir, env, *ENGINE_ITL))
         urls = {"vllm serve": serve.url}
         self.frontends = {"vllm serve": [serve.pid]}
-        self._start_llmfleet("llmfleet", model_dir, urls)
+        worker = self._start_llmfleet("llmfleet", model_dir, urls, engine_args=ENGINE_ITL)
+        self.engine_metrics = {"vllm serve": serve.url, "llmfleet": worker.url}  # each server's engine's /metrics
         wait_until_answers(serve, "/v1/models", 600)
         self.skipped = {}
         for name in ROUTERS:
@@ -98,6 +112,7 @@ class Servers(Backends):
                 continue
             urls[name] = router.url
             self.frontends[name] = [serve.pid, router.pid]
+            self.engine_metrics[name] = serve.url
         return urls
 
 
@@ -121,8 +136,12 @@ def run(concurrencies: list[int], rounds: int) -> dict:
             tokens = dict.fromkeys(urls, 0)
             for _ in range(rounds):  # alternating: drift hits every server alike
                 for name, url in urls.items():
+                    itl_before = engine_itl_buckets(servers.engine_metrics[name])
                     result = bench_serve(url, model_dir, case, env, Path(scratch) / f"{done}.json",
                                          watch=servers.frontends[name])
+                    itl = engine_itl_buckets(servers.engine_metrics[name], minus=itl_before)
+                    result["p50_engine_itl_ms"] = 1000 * histogram_quantile(itl, 0.50)
+                    result["p99_engine_itl_ms"] = 1000 * histogram_quantile(itl, 0.99)
                     cpu[name] += result["watched_cpu_s"]
                     cpu_call[name] += result["watched_cpu_s_call"]
                     tokens[name] += result["completed"] * TOKENS
@@ -148,6 +167,37 @@ def run(concurrencies: list[int], rounds: int) -> dict:
     return {"measured_at": time.strftime("%Y-%m-%d %H:%M"), "engine_args": ENGINE_ARGS, "engine_env": ENGINE_ENV,
             "rounds": rounds, "rows": rows, "skipped": skipped,
             "routers": ROUTERS}
+
+
+def engine_itl_buckets(url: str, minus: list[tuple[float, float]] | None = None) -> list[tuple[float, float]]:
+    """The engine's inter-token latency histogram on a server's /metrics, as (upper bound, cumulative
+    count) pairs; less `minus`, an earlier reading, for what came between."""
+    buckets: dict[float, float] = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("vllm:inter_token_latency_seconds_bucket{"):
+            bound = line.split('le="', 1)[1].split('"', 1)[0]
+            buckets[float(bound)] = buckets.get(float(bound), 0.0) + float(line.rsplit(" ", 1)[1])
+    counts = sorted(buckets.items())
+    if minus:
+        earlier = dict(minus)
+        counts = [(bound, count - earlier.get(bound, 0.0)) for bound, count in counts]
+    return counts
+
+
+def histogram_quantile(buckets: list[tuple[float, float]], q: float) -> float:
+    """The q-quantile of a cumulative histogram, interpolated within its bucket, as Prometheus's
+    `histogram_quantile` does; NaN without observations."""
+    total = buckets[-1][1] if buckets else 0.0
+    if total <= 0:
+        return math.nan
+    rank, lower, below = q * total, 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if math.isinf(bound):
+                return lower
+            return lower + (bound - lower) * (rank - below) / max(count - below, 1e-12)
+        lower, below = bound, count
+    return lower
 
 
 def _idle_cpu(frontends: dict[str, list[int]], seconds: float = 10.0) -> dict[str, float]:
@@ -176,31 +226,47 @@ def _add_ratios(rows: list[dict]) -> None:
                 "cpu_per_token": row["cpu_ms_per_token"] / min(r["cpu_ms_per_token"] for r in routers),
                 "cpu_per_token_call": row["cpu_ms_per_token_call"] / min(r["cpu_ms_per_token_call"] for r in routers),
                 "p99_ttft": row["p99_ttft_ms"] / min(r["p99_ttft_ms"] for r in routers)}
+        base = next(r for r in rows if r["server"] == "vllm serve" and r["concurrency"] == row["concurrency"])
+        row["p99_itl_over_serve_ms"] = row["p99_itl_ms"] - base["p99_itl_ms"]
 
 
 def table(result: dict) -> str:
     lines = ["| concurrency | server | output tok/s | vs vllm serve | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
-             "CPU ms/token beside the engine | vs vllm serve's API server | the same over the whole call |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "its engine's ITL p50 / p99 ms | CPU ms/token beside the engine | vs vllm serve's API server | "
+             "the same over the whole call |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
+        engine = (f"{row['p50_engine_itl_ms']:.1f} / {row['p99_engine_itl_ms']:.1f}"
+                  if "p99_engine_itl_ms" in row else "-")
         lines.append(f"| {row['concurrency']} | {row['server']} | {row['output_throughput']:.0f} | "
                      f"{row['throughput_ratio']:.2f}x | {row['p50_ttft_ms']:.0f} / {row['p99_ttft_ms']:.0f} | "
-                     f"{row['p50_itl_ms']:.1f} / {row['p99_itl_ms']:.1f} | {row['cpu_ms_per_token']:.3f} | "
+                     f"{row['p50_itl_ms']:.1f} / {row['p99_itl_ms']:.1f} | {engine} | {row['cpu_ms_per_token']:.3f} | "
                      f"{row['cpu_ratio']:.2f}x | {row['cpu_ms_per_token_call']:.3f} |")
     idle = {row["server"]: row["idle_cpu_ms_per_s"] for row in result["rows"]}
     lines += ["", "CPU beside the engine while idle, ms a second: " + ", ".join(
         f"{name} {ms:.1f}" for name, ms in idle.items()) + ".",
         "CPU per token counts the benchmark itself, from the client's first request to its result; "
-        "the whole call adds the ~8 s the client spends starting, when a server only idles."]
+        "the whole call adds the ~8 s the client spends starting, when a server only idles.",
+        "Its engine's ITL is vLLM's own (`vllm:inter_token_latency_seconds`, timed by the engine core at each step, "
+        "per token), that of the `vllm serve` behind a router; the client's ITL is per SSE event. The client's p99 "
+        "less its engine's is what the path after the engine adds to the tail."]
     against = [row for row in result["rows"] if "vs_best_router" in row]
     if against:
         lines += ["", "llmfleet against the best router at each concurrency (targets: throughput ≥ 0.95x, CPU per "
-                      "token ≤ 1.05x, TTFT p99 ≤ 1.00x):", "",
-                  "| concurrency | throughput | CPU per token | (whole call) | TTFT p99 |", "|---|---|---|---|---|"]
+                      "token ≤ 1.05x, TTFT p99 ≤ 1.00x), and its ITL p99 against vllm serve's (bound: "
+                      f"{COALESCE_MOST_S * 1000:g} ms, the publisher's longest pause); beside it, the tail each adds "
+                      "after its engine (ITL p99 less its engine's):", "",
+                  "| concurrency | throughput | CPU per token | (whole call) | TTFT p99 | ITL p99 − vllm serve's | "
+                  "after the engine: llmfleet / vllm serve |", "|---|---|---|---|---|---|---|"]
         for row in against:
             best = row["vs_best_router"]
+            base = next(r for r in result["rows"] if r["server"] == "vllm serve"
+                        and r["concurrency"] == row["concurrency"])
+            after = " / ".join(f"{r['p99_itl_ms'] - r['p99_engine_itl_ms']:+.1f} ms" if "p99_engine_itl_ms" in r
+                               else "-" for r in (row, base))
             lines.append(f"| {row['concurrency']} | {best['throughput']:.2f}x | {best['cpu_per_token']:.2f}x | "
-                         f"{best['cpu_per_token_call']:.2f}x | {best['p99_ttft']:.2f}x |")
+                         f"{best['cpu_per_token_call']:.2f}x | {best['p99_ttft']:.2f}x | "
+                         f"{row.get('p99_itl_over_serve_ms', math.nan):+.1f} ms | {after} |")
     for name, why in result.get("skipped", {}).items():
         lines.append(f"\n{name}: not measured: {why}")
     return "\n".join(lines)

@@ -157,3 +157,15 @@ def test_help_names_no_source_files_and_cuts_no_command_short() -> None:
         text = CliRunner().invoke(llmfleet.main, [*args, "--help"], terminal_width=80).output
         assert not re.search(r"\b[\w/]+\.py\b", text), (args, re.findall(r"\b[\w/]+\.py\b", text))
         assert "..." not in text.split("Commands:")[-1] if "Commands:" in text else True, text
+
+
+def test_a_json_option_takes_an_object_and_refuses_anything_else() -> None:
+    """--custom-histogram-buckets, as vllm serve takes it: the engine gets the object, parsed."""
+    param = next(p for p in llmfleet.main.commands["worker"].params if p.name == "custom_histogram_buckets")
+    buckets = param.type.convert('{"inter_token_latency": [0.001, 0.002]}', param, None)
+    assert WorkerSettings(model="m", custom_histogram_buckets=buckets).engine_args()["custom_histogram_buckets"] == {
+        "inter_token_latency": [0.001, 0.002]}
+    for bad, why in (("[0.001]", "must be a JSON object"), ("{inter_token_latency", "not JSON")):
+        with pytest.raises(click.BadParameter, match=why):
+            param.type.convert(bad, param, None)
+    assert "custom_histogram_buckets" not in WorkerSettings(model="m").engine_args()

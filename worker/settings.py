@@ -86,6 +86,10 @@ class WorkerSettings:
                                           "worker, Redis and the gateway less per token.", kind=int, engine=True,
                                           minimum=1)
     seed: int | None = setting(None, "The engine's random seed.", kind=int, engine=True)
+    custom_histogram_buckets: dict | None = setting(None, "Bounds of vLLM's own histograms (`vllm:*`), as vllm serve's "
+                                                    "option: a JSON object of bucket family to bounds in seconds or "
+                                                    "tokens, e.g. '{\"inter_token_latency\": [0.005, 0.01, 0.02]}'; "
+                                                    "default: vLLM's.", kind=dict, engine=True)
     trust_remote_code: bool = setting(False, "Run the model repository's own code (Hugging Face).", engine=True)
     tokenizer: str | None = setting(None, "Tokenizer path or name (default: the model's).", kind=str, engine=True)
     allowed_media_domains: tuple[str, ...] = setting((), "Comma-separated domains the worker may fetch media "
