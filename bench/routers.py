@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.common import ENGINE_ARGS, ENGINE_ENV, RESULTS, cpu_seconds, plot_bars, progress, save
 from bench.engine_path import Backends, bench_serve, start_vllm_serve, vllm_cli_env
@@ -173,10 +174,12 @@ def engine_itl_buckets(url: str, minus: list[tuple[float, float]] | None = None)
     """The engine's inter-token latency histogram on a server's /metrics, as (upper bound, cumulative
     count) pairs; less `minus`, an earlier reading, for what came between."""
     buckets: dict[float, float] = {}
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith("vllm:inter_token_latency_seconds_bucket{"):
-            bound = line.split('le="', 1)[1].split('"', 1)[0]
-            buckets[float(bound)] = buckets.get(float(bound), 0.0) + float(line.rsplit(" ", 1)[1])
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+        if family.name == "vllm:inter_token_latency_seconds":
+            for sample in family.samples:
+                if sample.name.endswith("_bucket"):  # one series per engine: summed
+                    bound = float(sample.labels["le"])
+                    buckets[bound] = buckets.get(bound, 0.0) + sample.value
     counts = sorted(buckets.items())
     if minus:
         earlier = dict(minus)
