@@ -215,10 +215,13 @@ def _idle_cpu(frontends: dict[str, list[int]], seconds: float = 10.0) -> dict[st
 
 def _add_ratios(rows: list[dict]) -> None:
     """Each row against vllm serve's at its concurrency, and llmfleet's against the best router's."""
+    serve = {r["concurrency"]: r for r in rows if r["server"] == "vllm serve"}
     for row in rows:
-        base = next(r for r in rows if r["server"] == "vllm serve" and r["concurrency"] == row["concurrency"])
+        base = serve[row["concurrency"]]
         row["throughput_ratio"] = row["output_throughput"] / base["output_throughput"]
         row["cpu_ratio"] = row["cpu_ms_per_token"] / base["cpu_ms_per_token"]
+        row["p99_itl_over_serve_ms"] = row["p99_itl_ms"] - base["p99_itl_ms"]
+        row["p99_after_engine_ms"] = row["p99_itl_ms"] - row["p99_engine_itl_ms"]  # what the path adds
     for row in rows:
         if row["server"] != "llmfleet":
             continue
@@ -229,8 +232,6 @@ def _add_ratios(rows: list[dict]) -> None:
                 "cpu_per_token": row["cpu_ms_per_token"] / min(r["cpu_ms_per_token"] for r in routers),
                 "cpu_per_token_call": row["cpu_ms_per_token_call"] / min(r["cpu_ms_per_token_call"] for r in routers),
                 "p99_ttft": row["p99_ttft_ms"] / min(r["p99_ttft_ms"] for r in routers)}
-        base = next(r for r in rows if r["server"] == "vllm serve" and r["concurrency"] == row["concurrency"])
-        row["p99_itl_over_serve_ms"] = row["p99_itl_ms"] - base["p99_itl_ms"]
 
 
 def table(result: dict) -> str:
@@ -261,12 +262,11 @@ def table(result: dict) -> str:
                       "after its engine (ITL p99 less its engine's):", "",
                   "| concurrency | throughput | CPU per token | (whole call) | TTFT p99 | ITL p99 − vllm serve's | "
                   "after the engine: llmfleet / vllm serve |", "|---|---|---|---|---|---|---|"]
+        serve = {r["concurrency"]: r for r in result["rows"] if r["server"] == "vllm serve"}
         for row in against:
             best = row["vs_best_router"]
-            base = next(r for r in result["rows"] if r["server"] == "vllm serve"
-                        and r["concurrency"] == row["concurrency"])
-            after = " / ".join(f"{r['p99_itl_ms'] - r['p99_engine_itl_ms']:+.1f} ms" if "p99_engine_itl_ms" in r
-                               else "-" for r in (row, base))
+            after = " / ".join(f"{r.get('p99_after_engine_ms', math.nan):+.1f} ms"
+                               for r in (row, serve[row["concurrency"]]))
             lines.append(f"| {row['concurrency']} | {best['throughput']:.2f}x | {best['cpu_per_token']:.2f}x | "
                          f"{best['cpu_per_token_call']:.2f}x | {best['p99_ttft']:.2f}x | "
                          f"{row.get('p99_itl_over_serve_ms', math.nan):+.1f} ms | {after} |")
