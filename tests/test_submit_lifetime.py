@@ -16,6 +16,7 @@ import contextlib
 import time
 import uuid
 
+import msgspec
 import pytest
 
 from gateway.fleet.runs import Fleet
@@ -184,3 +185,28 @@ async def test_a_stream_whose_client_is_gone_before_its_first_byte_still_ends_it
     with pytest.raises((OSError, asyncio.CancelledError)):
         await response.stream_response(send)
     assert ended.is_set()
+
+
+async def test_a_run_is_registered_and_queued_in_one_round_trip(redis_url, redis_client):
+    """With nothing that can have cancelled it first (no cancel_id, no session), a run's key and its
+    request's queueing reach Redis in the same batch: the queueing script is queued at the call,
+    in the batch of the registering before it, not one round trip later."""
+    model = f"life-{uuid.uuid4().hex[:8]}"
+    request = msgspec.structs.replace(envelope(model), cancel_id=None)
+    async with in_process_fleet(redis_url) as fleet:
+        batches: list[list[tuple]] = []
+        sent = fleet.batched._round_trip
+
+        async def recorded(batch):
+            batches.append([args for args, _options, _future in batch])
+            return await sent(batch)
+
+        fleet.batched._round_trip = recorded
+        async with fleet.submit(request):
+            assert redis_client.xlen(keys.request_stream(model)) == 1
+        await asyncio.wait_for(asyncio.gather(*fleet._tasks), 10)
+    registered = [batch for batch in batches if ("SET", keys.run_key(request.request_id)) in
+                  [command[:2] for command in batch]]
+    assert len(registered) == 1
+    names = [command[0] for command in registered[0]]
+    assert names.index("SET") < names.index("EVALSHA"), names

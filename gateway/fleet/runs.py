@@ -529,38 +529,56 @@ class Fleet:
         metrics.SLOW_CLIENTS.inc()
         self.spawn(self.cancels.cancel_requests([request_id], "slow_client"))
 
-    async def _enqueue(self, envelope: RequestEnvelope) -> Placement:
+    def _enqueue(self, envelope: RequestEnvelope) -> Awaitable[Placement]:
         """Queue the request unless its model's queue is full (the check and the add are one script):
         in its preferred worker's stream if it has an affinity key and that worker room
         (`shared.affinity`), else in the model's stream, a tenant's request with fair share on as a
-        ticket, its envelope in the tenant's queue (`shared.fair_queue`). Returns where it waits."""
+        ticket, its envelope in the tenant's queue (`shared.fair_queue`). Awaited: where it waits.
+
+        The script is queued at this call (`BatchedRedis.call_now`), not when awaited, so it goes in
+        the batch of what was queued just before (the run's registering): one round trip, where a
+        task started to queue it would run only after that batch was sent."""
         # The stream holds every unanswered request: those the workers' slots can run, then the queue.
         view = self.registry.models.get(envelope.model)
-        slots = view.capacity if view else 0
-        depth_limit = self.settings.max_queue + slots
+        depth_limit = self.settings.max_queue + _slots(view)
         try:
             data = encode(envelope)
         except OverflowError as exc:  # JSON allows any integer, msgpack none beyond 64 bits
             raise InvalidRequest("The request holds an integer outside the 64-bit range, which cannot be "
                                  "served.") from exc
         if candidates := self._preferred_workers(envelope, view):
-            chosen, depth, *entry = await self._route_script(
-                keys=affinity.route_keys(envelope.model, [keys.worker_stream(envelope.model, w.worker_id)
-                                                          for w in candidates]),
-                args=affinity.route_args(depth_limit, data, int(time.time() * 1000),
-                                         [affinity.waiting_allowance(w.capacity) for w in candidates]))
-            if chosen < 0:
-                self._overloaded(envelope.model, view, depth - slots)
-            metrics.AFFINITY.labels(envelope.model, ("shared", "preferred", "spilled")[min(chosen, 2)]).inc()
-            if chosen > 0:
-                stream = keys.worker_stream(envelope.model, candidates[chosen - 1].worker_id)
-                return Placement(fair_queue.withdraw_keys(stream), fair_queue.withdraw_args(_text(entry[0])))
+            routing = self.batched.call_now(self._route_script, affinity.route_keys(
+                envelope.model, [keys.worker_stream(envelope.model, w.worker_id) for w in candidates]),
+                affinity.route_args(depth_limit, data, int(time.time() * 1000),
+                                    [affinity.waiting_allowance(w.capacity) for w in candidates]))
+            return self._routed(envelope, view, depth_limit, data, candidates, routing)
+        return self._into_stream(envelope, view, depth_limit, data)
+
+    async def _routed(self, envelope: RequestEnvelope, view: ModelView | None, depth_limit: int, data: bytes,
+                      candidates: list[WorkerInfo], routing: Awaitable) -> Placement:
+        chosen, depth, *entry = await routing
+        if chosen < 0:
+            self._overloaded(envelope.model, view, depth - _slots(view))
+        metrics.AFFINITY.labels(envelope.model, ("shared", "preferred", "spilled")[min(chosen, 2)]).inc()
+        if chosen > 0:
+            stream = keys.worker_stream(envelope.model, candidates[chosen - 1].worker_id)
+            return Placement(fair_queue.withdraw_keys(stream), fair_queue.withdraw_args(_text(entry[0])))
+        return await self._into_stream(envelope, view, depth_limit, data)
+
+    def _into_stream(self, envelope: RequestEnvelope, view: ModelView | None, depth_limit: int,
+                     data: bytes) -> Awaitable[Placement]:
+        """Queue the request in its model's stream (its script queued at this call)."""
         tenant = envelope.tenant if self.settings.fair_share else ""
-        accepted, depth, *entry = await self._enqueue_script(
-            keys=fair_queue.enqueue_keys(envelope.model, tenant, envelope.priority),
-            args=fair_queue.enqueue_args(depth_limit, data, bool(tenant)))
+        queueing = self.batched.call_now(self._enqueue_script, fair_queue.enqueue_keys(envelope.model, tenant,
+                                                                                       envelope.priority),
+                                         fair_queue.enqueue_args(depth_limit, data, bool(tenant)))
+        return self._queued(envelope, view, tenant, data, queueing)
+
+    async def _queued(self, envelope: RequestEnvelope, view: ModelView | None, tenant: str, data: bytes,
+                      queueing: Awaitable) -> Placement:
+        accepted, depth, *entry = await queueing
         if not accepted:
-            self._overloaded(envelope.model, view, depth - slots)
+            self._overloaded(envelope.model, view, depth - _slots(view))
         return Placement(fair_queue.withdraw_keys(keys.request_stream(envelope.model), envelope.model, tenant,
                                                   envelope.priority),
                          fair_queue.withdraw_args(_text(entry[0]), data if tenant else None))
@@ -636,6 +654,11 @@ class Fleet:
         if run.placement is None or run.worker_id:
             return False
         return bool(await self._withdraw_script(keys=run.placement.keys, args=run.placement.args))
+
+
+def _slots(view: ModelView | None) -> int:
+    """How many requests the model's workers can run at once (those in its stream beyond wait)."""
+    return view.capacity if view else 0
 
 
 def _text(entry_id: bytes | str) -> str:
