@@ -86,6 +86,7 @@ _OTHER_APIS: dict[tuple[str, str], pydantic.TypeAdapter] = {
 # Kinds whose requests are encoded together (`_Merged`), and the body fields that may differ between them:
 # the outputs do not depend on them (the gateway writes the encoding; `user` is the client's tag).
 _MERGED_KINDS = ("embed", "classify", "pooling")
+_HERE_UP_TO_OUTPUTS = 16  # a request of at most this many outputs is post-processed on the loop (`_InContext`)
 _PER_REQUEST = frozenset({"input", "encoding_format", "user", "request_id"})
 
 
@@ -210,7 +211,21 @@ def _answer_renders(waiting: list[tuple[Any, asyncio.Future]], job: asyncio.Futu
 class _InContext:
     """A vLLM pooling handler that ends with its outputs (the request's context) instead of its
     JSON response: everything before the response is vLLM's own. Its io processors render a
-    request's prompts together (`_RenderTogether`)."""
+    request's prompts together (`_RenderTogether`).
+
+    vLLM post-processes every request's outputs on its renderer's thread. For a request of a few
+    outputs that is a thread's wake and the GIL's hand-over each way for next to no work (for an
+    embedding, a check of Cohere's token bound); those are post-processed here, on the loop."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._postprocessing_on_thread = self._postprocessing_async
+        self._postprocessing_async = self._postprocess
+
+    async def _postprocess(self, io_processor: Any, ctx: PoolingServeContext) -> Any:
+        if len(ctx.final_res_batch or ()) <= _HERE_UP_TO_OUTPUTS:
+            return self._postprocessing(io_processor, ctx)
+        return await self._postprocessing_on_thread(io_processor, ctx)
 
     def get_io_processor(self, request: Any) -> Any:
         io_processor = super().get_io_processor(request)
