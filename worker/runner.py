@@ -1,7 +1,8 @@
 """Running one claimed request through the engine, from its lease to its terminal chunk.
 
 Each request runs as a task of its own (`Runner.start`). It takes the request's lease and the
-cancel stashed for it while it waited, refuses it unstarted when it must not run (cancelled,
+cancel stashed for it while it waited (an encoding is with its engine meanwhile: `_encode_early`;
+nothing is published before the lease is held), refuses it unstarted when it must not run (cancelled,
 past its deadline or queue timeout, half-sent by a worker that died, unless it replays exactly
 or is continued from what its client was sent: see gateway/fleet/replay.py and
 `--migration-limit`), and otherwise dispatches
@@ -30,6 +31,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import msgspec
 from redis.exceptions import RedisError
@@ -156,12 +158,12 @@ class Runner:
                 terminal = await self._answer(request, state, early)
         finally:
             if early is not None:
-                early.cancel()  # unless answered: refused, not ours, or this task cancelled
+                early.task.cancel()  # unless answered: refused, not ours, or this task cancelled
         if request.request_id in self.leases.lost:  # its answer is for the worker that took it over
             return
         await self._finish(stream, entry_id, request, terminal, queued, reclaimed)
 
-    def _encode_early(self, request: RequestEnvelope, reclaimed: bool) -> asyncio.Task | None:
+    def _encode_early(self, request: RequestEnvelope, reclaimed: bool) -> _Early | None:
         """An encoding handed to the engine at once, while its lease is taken: the lease's round
         trip is off the answer's path (a few hundred microseconds of a few milliseconds). Only a
         request first claimed, of a kind this worker encodes; it is cancelled (the engine aborts
@@ -172,7 +174,7 @@ class Runner:
             return None
         task = asyncio.ensure_future(self.adapter.encode(request))
         task.add_done_callback(_retrieved)  # an answer never awaited (its lease was another's) logs nothing
-        return task
+        return _Early(task, time.monotonic())
 
     async def _finish(self, stream: str, entry_id: str, request: RequestEnvelope, terminal: GenerationChunk,
                       queued: float, reclaimed: bool) -> None:
@@ -291,7 +293,7 @@ class Runner:
         return None
 
     async def _answer(self, request: RequestEnvelope, state: Continuation | None = None,
-                      early: asyncio.Task | None = None) -> GenerationChunk:
+                      early: _Early | None = None) -> GenerationChunk:
         """The request's terminal chunk, from the adapter of its kind of work (a generation: from
         where its client's stream stood, given that; an encoding: `early`'s, if it began early)."""
         adapter = self.adapter
@@ -316,14 +318,14 @@ class Runner:
             return _error_terminal(EngineError(f"the engine failed: {exc}"))
 
     async def _encode(self, adapter: EncoderAdapter, request: RequestEnvelope,
-                      early: asyncio.Task | None = None) -> GenerationChunk:
+                      early: _Early | None = None) -> GenerationChunk:
         """The encoder's answer (`early`'s, if it began while the lease was taken): one terminal
-        chunk; a cancel or the deadline cancels its task, and with it `early`."""
+        chunk; a cancel or the deadline cancels its task, and with it `early`'s."""
         deadline = self._deadline_alarm(request)
-        started = time.monotonic()
+        answering, started = early or (adapter.encode(request), time.monotonic())
         self._encoding.add(request.request_id)
         try:
-            terminal = await self._whole(early if early is not None else adapter.encode(request))
+            terminal = await self._whole(answering)
         except asyncio.CancelledError:
             if request.request_id in self.cancel_requested:
                 return _cancelled_terminal(request)
@@ -528,6 +530,13 @@ class _Progress:
         metrics.DECODE_TIME.labels(model).observe(now - self.first_token_at)
         return {"prefill_s": self.first_token_at - self.started, "decode_s": now - self.first_token_at,
                 "first_token_at": self.first_token_wall}
+
+
+class _Early(NamedTuple):
+    """An encoding handed to its engine before its lease was in (`Runner._encode_early`)."""
+
+    task: asyncio.Task
+    started: float  # monotonic
 
 
 def _retrieved(task: asyncio.Task) -> None:
