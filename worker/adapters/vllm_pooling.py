@@ -86,8 +86,10 @@ _OTHER_APIS: dict[tuple[str, str], pydantic.TypeAdapter] = {
 # Kinds whose requests are encoded together (`_Merged`), and the body fields that may differ between them:
 # the outputs do not depend on them (the gateway writes the encoding; `user` is the client's tag).
 _MERGED_KINDS = ("embed", "classify", "pooling")
-_HERE_UP_TO_OUTPUTS = 16  # a request of at most this many outputs is post-processed on the loop (`_InContext`)
 _PER_REQUEST = frozenset({"input", "encoding_format", "user", "request_id"})
+
+# A request of at most this many outputs is post-processed on the loop, not on vLLM's thread (`_InContext`).
+_HERE_UP_TO_OUTPUTS = 16
 
 
 def _merge_key(request: RequestEnvelope) -> tuple[str, bytes] | None:
