@@ -114,15 +114,21 @@ async def test_an_encoding_reaches_its_engine_before_its_lease_is_in(redis_url):
         assert answer.done and answer.finish_reason == "stop" and len(answer.pooled) == 1
 
 
+async def leased_once_begun(runner: Runner, leases: GatedLeases, adapter: WatchedEncoder,
+                            request: RequestEnvelope) -> None:
+    """Run the request, its lease's reply held back until its encoding has begun; until it ends."""
+    runner.start(keys.request_stream(MODEL), "1-0", request)
+    await asyncio.wait_for(adapter.began.wait(), 5)
+    leases.gate.set()
+    await ended(runner, request)
+
+
 async def test_a_request_whose_lease_another_worker_holds_is_not_answered_and_its_encoding_stops(redis_url):
     adapter = WatchedEncoder()
     async with running(redis_url, adapter) as (runner, leases, redis):
         request = await embedding(redis)
         await redis.set(keys.lease_key(request.request_id), "another-worker", ex=30)
-        runner.start(keys.request_stream(MODEL), "1-0", request)
-        await asyncio.wait_for(adapter.began.wait(), 5)
-        leases.gate.set()
-        await ended(runner, request)
+        await leased_once_begun(runner, leases, adapter, request)
         await asyncio.sleep(0.05)
         assert adapter.cancelled
         assert await replies(redis, request) == []
@@ -134,10 +140,7 @@ async def test_a_cancel_stashed_while_it_was_queued_stops_the_encoding_and_answe
     async with running(redis_url, adapter) as (runner, leases, redis):
         request = await embedding(redis)
         await redis.set(keys.cancelled_key(request.request_id), "disconnect", ex=30)
-        runner.start(keys.request_stream(MODEL), "1-0", request)
-        await asyncio.wait_for(adapter.began.wait(), 5)
-        leases.gate.set()
-        await ended(runner, request)
+        await leased_once_begun(runner, leases, adapter, request)
         assert adapter.cancelled
         [answer] = await replies(redis, request)
         assert answer.done and answer.finish_reason == "cancelled" and answer.pooled is None
