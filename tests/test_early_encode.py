@@ -79,12 +79,13 @@ async def running(redis_url: str, adapter: WatchedEncoder):
         await redis.aclose()
 
 
-async def embedding(redis: aioredis.Redis) -> RequestEnvelope:
+async def embedding(redis: aioredis.Redis, queued_for: float = 60) -> RequestEnvelope:
     """A request, and its gateway's reply stream (a worker writes only into a stream that is there)."""
     now = time.time()
     request = RequestEnvelope(request_id=uuid.uuid4().hex, model=MODEL, kind="embed",
-                           reply_to=f"{keys.PREFIX}:replies:{{early-{uuid.uuid4().hex[:8]}}}", arrival=now,
-                           deadline=now + 60, queue_deadline=now + 60, body={"model": MODEL, "input": "the sea"})
+                              reply_to=f"{keys.PREFIX}:replies:{{early-{uuid.uuid4().hex[:8]}}}", arrival=now,
+                              deadline=now + 60, queue_deadline=now + queued_for,
+                              body={"model": MODEL, "input": "the sea"})
     await redis.xadd(request.reply_to, {"opened": "1"})
     await redis.expire(request.reply_to, 60)
     return request
@@ -144,3 +145,18 @@ async def test_a_cancel_stashed_while_it_was_queued_stops_the_encoding_and_answe
         assert adapter.cancelled
         [answer] = await replies(redis, request)
         assert answer.done and answer.finish_reason == "cancelled" and answer.pooled is None
+
+
+async def test_a_request_past_its_queue_timeout_is_refused_without_reaching_the_engine(redis_url):
+    """An overloaded engine does no work for what the lease's reply will refuse."""
+    adapter = WatchedEncoder()
+    adapter.go.set()
+    async with running(redis_url, adapter) as (runner, leases, redis):
+        request = await embedding(redis, queued_for=-1)
+        runner.start(keys.request_stream(MODEL), "1-0", request)
+        await asyncio.sleep(0.05)
+        leases.gate.set()
+        await ended(runner, request)
+        assert not adapter.began.is_set()
+        [answer] = await replies(redis, request)
+        assert answer.finish_reason == "error" and answer.error.code == "queue_timeout"

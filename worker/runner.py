@@ -168,9 +168,14 @@ class Runner:
         trip is off the answer's path (a few hundred microseconds of a few milliseconds). Only a
         request first claimed, of a kind this worker encodes; it is cancelled (the engine aborts
         it) if the lease is another's or the request must not run, which the lease's reply tells.
-        Nothing of it is published before the lease is held."""
-        if reclaimed or request.kind not in ENCODER_KINDS or request.kind not in self.kinds \
-                or not isinstance(self.adapter, EncoderAdapter):
+        Nothing of it is published before the lease is held. Not a request already cancelled or
+        out of time, which the lease's reply would refuse: an overloaded engine does no work for it."""
+        if reclaimed or not isinstance(self.adapter, EncoderAdapter) or request.kind not in ENCODER_KINDS:
+            return None
+        now = time.time()
+        if request.kind not in self.kinds or request.request_id in self.cancel_requested \
+                or (request.deadline and now > request.deadline) \
+                or (request.queue_deadline and now > request.queue_deadline):
             return None
         task = asyncio.ensure_future(self.adapter.encode(request))
         task.add_done_callback(_retrieved)  # an answer never awaited (its lease was another's) logs nothing
