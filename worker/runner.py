@@ -172,10 +172,8 @@ class Runner:
         out of time, which the lease's reply would refuse: an overloaded engine does no work for it."""
         if reclaimed or not isinstance(self.adapter, EncoderAdapter) or request.kind not in ENCODER_KINDS:
             return None
-        now = time.time()
         if request.kind not in self.kinds or request.request_id in self.cancel_requested \
-                or (request.deadline and now > request.deadline) \
-                or (request.queue_deadline and now > request.queue_deadline):
+                or _past(request.deadline) or _past(request.queue_deadline):
             return None
         task = asyncio.ensure_future(self.adapter.encode(request))
         task.add_done_callback(_retrieved)  # an answer never awaited (its lease was another's) logs nothing
@@ -285,12 +283,12 @@ class Runner:
                 f"The worker that took this request serves only {', '.join(self.kinds)} requests of "
                 f"`{self.model}`, not {request.kind}; retry the request.", code="kind_not_served"))
         waited = time.time() - request.arrival
-        if request.deadline and time.time() > request.deadline:  # the client's own `timeout` ran out
+        if _past(request.deadline):  # the client's own `timeout` ran out
             metrics.CANCELS.labels(self.model, "deadline", "queued").inc()
             terminal = _cancelled_terminal(request)
             _mark_deadline(terminal)
             return terminal
-        if request.queue_deadline and time.time() > request.queue_deadline:
+        if _past(request.queue_deadline):
             metrics.QUEUE_TIMEOUTS.labels(self.model).inc()
             return _error_terminal(ServiceUnavailable(
                 f"The request waited {waited:.1f}s in the queue, past its queue timeout; the fleet is "
@@ -542,6 +540,11 @@ class _Early(NamedTuple):
 
     task: asyncio.Task
     started: float  # monotonic
+
+
+def _past(deadline: float) -> bool:
+    """Whether a deadline (wall-clock; 0 for none) has passed."""
+    return bool(deadline) and time.time() > deadline
 
 
 def _retrieved(task: asyncio.Task) -> None:
