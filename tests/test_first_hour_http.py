@@ -173,6 +173,51 @@ def test_malformed_json_says_where_in_words(scripted_fleet):
         "The request body is not valid JSON: Expecting value at line 1 column 11 (char 10).")}}
 
 
+# What Python's json.dumps writes for a float nan or inf, or a str with a lone surrogate, and json.loads takes
+# back, though it is not JSON; and a body nested deeper than any request is.
+NOT_JSON = {
+    "nan": (b'"temperature": NaN', "NaN is not a JSON number"),
+    "infinity": (b'"top_p": -Infinity', "-Infinity is not a JSON number"),
+    "surrogate": (b'"user": "\\ud800"', "no low surrogate in string"),
+    "deep": (b'"stop": ' + b"[" * 5000 + b"]" * 5000, "depth limit exceeded"),
+}
+BODIES = {  # each route's body, before the field that makes it not JSON
+    "/v1/chat/completions": b'{"model": "scripted-model", "messages": [{"role": "user", "content": "hi"}], ',
+    "/v1/completions": b'{"model": "scripted-model", "prompt": "hi", ',
+    "/v1/responses": b'{"model": "scripted-model", "input": "hi", ',
+    "/v1/messages": b'{"model": "scripted-model", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], ',
+    "/tokenize": b'{"model": "scripted-model", "prompt": "hi", ',
+    "/v1/embeddings": b'{"model": "scripted-model", "input": "hi", ',
+    "/invocations": b'{"model": "scripted-model", "prompt": "hi", ',
+}
+
+
+@pytest.mark.parametrize("path", BODIES)
+@pytest.mark.parametrize("case", NOT_JSON)
+def test_what_json_loads_takes_but_is_not_json_is_a_400_that_says_so(scripted_fleet, path, case):
+    """Each was a 500 (a bare "Internal Server Error", the connection dropped): FastAPI took the body and
+    the gateway's own parse, orjson's, refused it."""
+    field, words = NOT_JSON[case]
+    with httpx.Client(base_url=_gateway(scripted_fleet).url, timeout=30) as client:
+        answer = client.post(path, content=BODIES[path] + field + b"}", headers={"content-type": "application/json"})
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert error["message"].startswith(f"The request body is not valid JSON: {words} at line 1 column ")
+        assert error["type"] == ("invalid_request_error" if path == "/v1/messages" else "BadRequestError")
+        # the same connection serves the next request
+        valid = client.post("/v1/completions", json={"model": SCRIPTED_MODEL, "prompt": "hi", "max_tokens": 2})
+        assert valid.status_code == 200, valid.text
+
+
+def test_every_route_reads_its_body_strictly():
+    from fastapi.routing import APIRoute
+
+    from gateway.app import ROUTERS
+    from gateway.http.json_body import JSONRoute
+    routes = [route for router in ROUTERS for route in router.routes if isinstance(route, APIRoute)]
+    assert len(routes) > 20 and all(isinstance(route, JSONRoute) for route in routes)
+
+
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/invocations"])
 def test_a_body_without_the_json_content_type_says_to_send_it(scripted_fleet, path):
     url = _gateway(scripted_fleet).url

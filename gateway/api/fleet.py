@@ -14,11 +14,12 @@ from gateway.api.openai.protocol import CancelRequest
 from gateway.fleet.registry import ModelView
 from gateway.http.auth import current_key
 from gateway.http.errors import error_body, json_response
+from gateway.http.json_body import JSONRoute
 from shared import keys
 from shared.envelopes import KINDS
 from shared.errors import ModelNotFound, NotFound
 
-router = APIRouter()
+router = APIRouter(route_class=JSONRoute)
 
 
 @router.post("/v1/cancel")

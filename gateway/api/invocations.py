@@ -6,7 +6,8 @@ what it serves (`kinds`); a model with no live worker is offered every route."""
 
 from __future__ import annotations
 
-import orjson
+import json
+
 import pydantic
 from fastapi import APIRouter, Request
 from starlette.responses import Response
@@ -17,8 +18,9 @@ from gateway.api.openai.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.api.pooling.protocol import ClassifyRequest, EmbeddingRequest, PoolingRequest, RerankRequest, ScoreRequest
 from gateway.api.pooling.routes import create_classify, create_embeddings, create_pooling, create_rerank, create_score
 from gateway.http.errors import bad_request, error_body, invalid_json_message, is_json, json_response, not_json_message
+from gateway.http.json_body import JSONRoute
 
-router = APIRouter()
+router = APIRouter(route_class=JSONRoute)
 
 # In vLLM's order: the first model a body validates as takes it. Each with the kind its workers answer.
 HANDLERS = (("chat", ChatCompletionRequest, create_chat_completion), ("completion", CompletionRequest, create_completion),
@@ -38,8 +40,8 @@ async def invocations(request: Request) -> Response:
     if not is_json(content_type):  # as FastAPI refuses it on every other route
         return bad_request(not_json_message(content_type))
     try:
-        body = orjson.loads(await request.body())
-    except orjson.JSONDecodeError as exc:
+        body = await request.json()  # a JSONRequest's: orjson's, strict (gateway/http/json_body.py)
+    except json.JSONDecodeError as exc:
         return bad_request(invalid_json_message(exc))
     named = body.get("model") if isinstance(body, dict) else None
     served = request.app.state.fleet.registry.kinds_of(named if isinstance(named, str) else None)

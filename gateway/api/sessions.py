@@ -25,13 +25,14 @@ from starlette.responses import Response
 from gateway.fleet.runs import Fleet
 from gateway.fleet.sessions import SessionStore, Turn
 from gateway.http.errors import json_response
+from gateway.http.json_body import JSONRoute
 from gateway.serve.formatter import Formatter
 from gateway.serve.generation import serve_generation
 from gateway.serve.life import Hook, Outcome
 from shared.envelopes import Candidate, GenerationChunk, RequestEnvelope
 from shared.errors import Conflict, InvalidRequest, NotFound
 
-router = APIRouter()
+router = APIRouter(route_class=JSONRoute)
 
 # The request fields that are llmfleet's, not the engine's: never forwarded to the worker.
 EXTENSIONS = ("session_id", "discard_thinking")

@@ -6,11 +6,12 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response, StreamingResponse
 
 from gateway import tenancy
+from gateway.http.json_body import JSONRoute
 from gateway.serve.resumable import follow
 from gateway.serve.sse import SSE_HEADERS
 from shared.errors import InvalidRequest
 
-router = APIRouter()
+router = APIRouter(route_class=JSONRoute)
 
 
 @router.get("/v1/streams/{response_id}")

@@ -11,9 +11,10 @@ from starlette.responses import Response
 
 from gateway.api.openai.protocol import TokenizerRequest
 from gateway.http.errors import json_response
+from gateway.http.json_body import JSONRoute
 from gateway.serve.generation import ask_worker, new_envelope, request_json
 
-router = APIRouter()
+router = APIRouter(route_class=JSONRoute)
 
 
 async def _ask_worker(kind: str, body: TokenizerRequest, request: Request) -> Response:

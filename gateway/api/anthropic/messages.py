@@ -31,13 +31,14 @@ from gateway.api.openai.protocol import cap_output, check_sampling
 from gateway.fleet.registry import ModelView
 from gateway.http import anthropic_errors as errors
 from gateway.http.errors import json_response
+from gateway.http.json_body import JSONRoute
 from gateway.serve.formatter import Formatter
 from gateway.serve.generation import ask_worker, generation_route, new_envelope, output_ceiling
 from gateway.settings import GatewaySettings
 from shared.envelopes import Candidate, GenerationChunk, RequestEnvelope, ToolCallDelta, Usage
 from shared.errors import FleetError
 
-router = APIRouter()
+router = APIRouter(route_class=JSONRoute)
 
 
 def stop_reason(finish_reason: str | None, stop: str | int | None, tool_used: bool,

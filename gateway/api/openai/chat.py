@@ -9,13 +9,14 @@ from fastapi import APIRouter, Request
 from gateway.api import sessions
 from gateway.api.openai.protocol import ChatCompletionRequest, cap_output, check_sampling
 from gateway.fleet.registry import ModelView
+from gateway.http.json_body import JSONRoute
 from gateway.serve.formatter import Formatter, usage_body
 from gateway.serve.generation import generation_route, new_envelope, output_ceiling, request_json
 from gateway.settings import GatewaySettings
 from shared.envelopes import Candidate, GenerationChunk, RequestEnvelope, ToolCallDelta
 from shared.errors import FleetError
 
-router = APIRouter()
+router = APIRouter(route_class=JSONRoute)
 
 
 def _tool_call_delta(delta: ToolCallDelta) -> dict[str, Any]:

@@ -8,12 +8,13 @@ from fastapi import APIRouter, Request
 
 from gateway.api.openai.protocol import DEFAULT_MAX_TOKENS, CompletionRequest, cap_output, check_sampling
 from gateway.fleet.registry import ModelView
+from gateway.http.json_body import JSONRoute
 from gateway.serve.formatter import Formatter, usage_body
 from gateway.serve.generation import generation_route, new_envelope, output_ceiling, request_json
 from gateway.settings import GatewaySettings
 from shared.envelopes import GenerationChunk, RequestEnvelope
 
-router = APIRouter()
+router = APIRouter(route_class=JSONRoute)
 
 
 class CompletionFormatter(Formatter):

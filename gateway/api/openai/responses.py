@@ -28,6 +28,7 @@ from gateway.api.openai.protocol import OpenAIModel, cap_output, check_sampling
 from gateway.fleet.responses import ResponseStore, StoredResponse
 from gateway.fleet.runs import Fleet
 from gateway.http.errors import FieldRuleError, error_body, json_response
+from gateway.http.json_body import JSONRoute
 from gateway.serve import resumable
 from gateway.serve.formatter import Formatter
 from gateway.serve.generation import life_of, new_envelope, output_ceiling, request_json, serve_generation
@@ -36,7 +37,7 @@ from gateway.serve.sse import SSE_HEADERS
 from shared.envelopes import Candidate, GenerationChunk, RequestEnvelope, SamplingOptions, ToolCallDelta, Usage
 from shared.errors import FleetError, ServiceUnavailable
 
-router = APIRouter()
+router = APIRouter(route_class=JSONRoute)
 
 ID_PREFIX = "resp_"
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")

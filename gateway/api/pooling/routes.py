@@ -23,12 +23,13 @@ from gateway.api.pooling.protocol import (
     RerankRequest,
     ScoreRequest,
 )
+from gateway.http.json_body import JSONRoute
 from gateway.serve.encoding import serve_encoding
 from gateway.serve.generation import new_envelope, request_json
 from shared.envelopes import GenerationChunk, RequestEnvelope
 from shared.errors import InvalidRequest
 
-router = APIRouter()
+router = APIRouter(route_class=JSONRoute)
 
 Write = Callable[[GenerationChunk, RequestEnvelope], Response]
 

@@ -1,0 +1,64 @@
+"""Every route's JSON body read strictly, by orjson (`JSONRoute`).
+
+FastAPI reads a body with the standard library's `json`, which takes what is not JSON: `NaN` and
+`Infinity` (Python's `json.dumps` writes them for a float nan or inf) and a lone surrogate such as
+"\\ud800". The handlers then read the same bytes again with orjson, to queue them as sent
+(`request_json`), and orjson refuses those: each was a 500. Here the request FastAPI reads is a
+`JSONRequest`, whose `json()` is orjson's parse (`loads`): what orjson refuses is FastAPI's own
+invalid-JSON error (a 400, gateway/http/errors.py), and the handlers' own parse takes every body
+FastAPI took. They parse again rather than share FastAPI's dict: the validated model holds parts of
+that dict, and the queued body must stay what the client sent.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+from fastapi import Request, Response
+from fastapi.routing import APIRoute
+
+_NOT_NUMBERS = (b"-Infinity", b"Infinity", b"NaN")
+
+
+def loads(body: bytes) -> Any:
+    """orjson's parse of a body. Where it refuses one, a json.JSONDecodeError in the standard library's
+    words when that refuses it too (FastAPI's, and so `vllm serve`'s, for a syntax error), else in
+    orjson's, said plainly for NaN and Infinity."""
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as refused:
+        try:
+            json.loads(body)
+        except json.JSONDecodeError:
+            raise
+        except UnicodeDecodeError as exc:
+            raise json.JSONDecodeError(f"it is not UTF-8 ({exc.reason})", "", exc.start) from None
+        except RecursionError:
+            pass
+        at = refused.pos
+        token = next((t for t in _NOT_NUMBERS if t in (body[max(at - 1, 0):][:len(t)], body[at:][:len(t)])), None)
+        if token is not None:
+            raise json.JSONDecodeError(f"{token.decode()} is not a JSON number", refused.doc, refused.pos) from None
+        raise json.JSONDecodeError(refused.msg, refused.doc, refused.pos) from None
+
+
+class JSONRequest(Request):
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = loads(await self.body())
+        return self._json
+
+
+class JSONRoute(APIRoute):
+    """An APIRoute whose handler is given a `JSONRequest` (FastAPI's custom route class)."""
+
+    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+        handle = super().get_route_handler()
+
+        async def with_json_request(request: Request) -> Response:
+            return await handle(JSONRequest(request.scope, request.receive, request._send))
+
+        return with_json_request
