@@ -60,6 +60,19 @@ FinishReason = str
 # {"text_offset", "token_logprobs", "tokens", "top_logprobs"}.
 Logprobs = list[dict[str, Any]] | dict[str, list[Any]]
 
+
+def extend_logprobs(logprobs: Logprobs | None, more: Logprobs) -> Logprobs:
+    """`logprobs` with `more`'s entries after its own, extended in place (either shape, the same in
+    both); where `logprobs` is None, a copy of `more` to extend later."""
+    if logprobs is None:
+        return [*more] if isinstance(more, list) else {key: [*values] for key, values in more.items()}
+    if isinstance(logprobs, list):
+        logprobs.extend(more)
+    else:
+        for key, values in more.items():
+            logprobs.setdefault(key, []).extend(values)
+    return logprobs
+
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Seconds = Annotated[float, msgspec.Meta(ge=0)]
 Id = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
@@ -356,11 +369,8 @@ class GenerationChunk(Envelope):
             self.token_ids.extend(other.token_ids)
         if self.output_ids is not None:
             self.output_ids.extend(other.output_ids)
-        if isinstance(self.logprobs, list):
-            self.logprobs.extend(other.logprobs)
-        elif isinstance(self.logprobs, dict):
-            for key, values in other.logprobs.items():
-                self.logprobs.setdefault(key, []).extend(values)
+        if self.logprobs is not None:
+            extend_logprobs(self.logprobs, other.logprobs)
 
 
 class ChunkEnvelope(Envelope):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import msgpack
 import pytest
 
@@ -16,6 +18,7 @@ from shared.envelopes import (
     Usage,
 )
 from shared.errors import EnvelopeError, ErrorInfo, InvalidRequest, error_from_info
+from worker.adapters.aggregate import collect_candidates
 
 
 def _request(**overrides) -> RequestEnvelope:
@@ -44,6 +47,26 @@ def test_only_deltas_of_one_kind_merge():
     lists = GenerationChunk(logprobs={"tokens": ["a"], "text_offset": [0]})
     lists.absorb(GenerationChunk(logprobs={"tokens": ["b"], "text_offset": [1]}))
     assert lists.logprobs == {"tokens": ["a", "b"], "text_offset": [0, 1]}
+
+
+@pytest.mark.parametrize("deltas, whole", [
+    ([[{"token": "a", "logprob": -0.5}], [{"token": "b", "logprob": -1.0}]],
+     [{"token": "a", "logprob": -0.5}, {"token": "b", "logprob": -1.0}]),
+    ([{"tokens": ["a"], "token_logprobs": [-0.5]}, {"tokens": ["b"], "token_logprobs": [-1.0]}],
+     {"tokens": ["a", "b"], "token_logprobs": [-0.5, -1.0]}),
+], ids=["chat entries", "completion lists"])
+def test_a_whole_answer_holds_every_deltas_logprobs_in_either_shape(deltas, whole):
+    """A non-streaming answer is the fold of its deltas (worker/adapters/aggregate.py); completion
+    logprobs, parallel lists, failed it with a TypeError."""
+    chunks = [GenerationChunk(text=t, token_count=1, logprobs=lp) for t, lp in zip("ab", deltas, strict=True)]
+
+    async def stream():
+        for chunk in [*chunks, GenerationChunk(done=True, finish_reason="stop")]:
+            yield chunk
+
+    answer = asyncio.run(collect_candidates(stream(), 1))
+    assert answer.candidates[0].text == "ab" and answer.candidates[0].logprobs == whole
+    assert chunks[0].logprobs == deltas[0]  # the deltas themselves are left as they were
 
 
 def test_chunk_round_trip_with_every_field():

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from shared.envelopes import Candidate, GenerationChunk, ToolCallDelta
+from shared.envelopes import Candidate, GenerationChunk, Logprobs, ToolCallDelta, extend_logprobs
 
 
 class CandidateBuilder:
@@ -21,7 +21,7 @@ class CandidateBuilder:
         self.text: list[str] = []
         self.reasoning: list[str] = []
         self.tool_calls: dict[int, ToolCallDelta] = {}
-        self.logprobs: list | None = None
+        self.logprobs: Logprobs | None = None
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
 
@@ -29,7 +29,7 @@ class CandidateBuilder:
         self.text.append(chunk.text or "")
         self.reasoning.append(chunk.reasoning)
         if chunk.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + chunk.logprobs
+            self.logprobs = extend_logprobs(self.logprobs, chunk.logprobs)
         for delta in chunk.tool_calls or ():
             call = self.tool_calls.setdefault(delta.index, ToolCallDelta(index=delta.index))
             call.id = call.id or delta.id
