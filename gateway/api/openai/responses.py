@@ -104,8 +104,9 @@ class ResponsesRequest(OpenAIModel):
                                      param="tool_choice")
             elif named:
                 raise FieldRuleError("Tool choice 'function' not found in 'tools' parameter.", param="tool_choice")
-        elif named and choice.get("name") not in {t.get("name") for t in tools if isinstance(t, dict)}:
-            raise FieldRuleError("Tool choice 'function' not found in 'tools' parameter.", param="tool_choice")
+        elif named and isinstance(tools, list):  # tools that are no list: the schema refuses them
+            if choice.get("name") not in {t.get("name") for t in tools if isinstance(t, dict)}:
+                raise FieldRuleError("Tool choice 'function' not found in 'tools' parameter.", param="tool_choice")
         return data
 
     @model_validator(mode="after")
