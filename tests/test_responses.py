@@ -127,6 +127,7 @@ def test_store_false_keeps_nothing(scripted_fleet):
     ({"input": "x", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},
      400, "tool_choice"),
     ({"input": "x", "tools": 1, "tool_choice": {"type": "function", "name": "g"}}, 400, "body.tools"),  # was a 500
+    ({"input": [{"role": "user", "content": 5}]}, 400, "input"),  # was a 500 on the scripted engine
     ({"input": [{"type": "computer_call", "id": "c"}]}, 400, "input"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, 400, "input"),
     ({"input": "x", "max_output_tokens": 0}, 400, "max_tokens"),  # vLLM's sampling check names it so

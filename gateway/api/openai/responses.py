@@ -149,6 +149,8 @@ def _check_item(item: dict[str, Any]) -> None:
     missing = [name for name in required if name not in item]
     if missing:
         raise FieldRuleError(f"a {kind} input item needs `{'`, `'.join(missing)}`", param="input")
+    if kind == "message" and not isinstance(item.get("content", ""), str | list):
+        raise FieldRuleError("a message input item's `content` is a string or a list of content parts", param="input")
     if kind == "reasoning" and item.get("encrypted_content"):
         raise FieldRuleError("Encrypted content is not supported.", param="input")
 
