@@ -17,10 +17,12 @@ The run is bounded by MAX_EXAMPLES per operation and mode with the key, a quarte
 from __future__ import annotations
 
 import os
+import random
 import re
 import zlib
 
 import httpx
+import orjson
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
@@ -217,3 +219,59 @@ def test_an_integer_beyond_64_bits_is_a_400_not_a_500(fuzzed_gateway, path):
     assert answer.status_code == 400, answer.text
     assert_family_error_shape(path, 400, answer.json())
     assert "64-bit" in answer.text or "64 bit" in answer.text, answer.text
+
+
+# --- hostile values schemathesis does not write ------------------------------------------------------
+# Schemathesis writes valid JSON whose values fit or miss the schema's types. These are what clients
+# get wrong in other ways: JSON that Python's json module writes but is not JSON (NaN, Infinity, a lone
+# surrogate), values of the right type in the wrong shape one level down, integers past 64 bits, deep
+# nesting. Each route's body is a valid one with one to three of its schema's fields set from this pool.
+# It found: NaN in any route's body was a 500; a non-streaming completion with logprobs, a 500; a
+# Responses `tool_choice` naming a function beside `tools` that is no list, and a message item whose
+# content is a number, each a 500.
+HOSTILE = [b"NaN", b"-Infinity", b'"\\ud800"', b"[" * 3000 + b"]" * 3000, b"18446744073709551616", b"-1", b"0",
+           b"1", b"2", b"3.5", b"true", b"null", b'""', b'"x"', b"[]", b"{}", b"[1, 2]", b'["a", 1]', b"[[]]",
+           b'{"a": 1}', b'{"type": "function"}', b'{"type": "function", "name": "g", "function": {"name": "g"}}',
+           b'[{"role": "user", "content": 5}]', b'[{"role": "user"}]', b'[{"type": "function", "function": 1}]',
+           b'{"type": "json_schema", "json_schema": 1}', b'{"include_usage": "x"}', b'{"5": "x"}',
+           b'"' + b"x" * 5000 + b'"']
+VALID_BODIES = {
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+    "/v1/completions": {"prompt": "hi", "max_tokens": 4},
+    "/v1/responses": {"input": "hi", "max_output_tokens": 4},
+    "/v1/messages": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+    "/v1/messages/count_tokens": {"messages": [{"role": "user", "content": "hi"}]},
+    "/v1/embeddings": {"input": "hi"}, "/v2/embed": {"texts": ["hi"], "input_type": "search_document"},
+    "/score": {"text_1": "a", "text_2": "b"}, "/v1/score": {"text_1": "a", "text_2": "b"},
+    "/rerank": {"query": "a", "documents": ["b"]}, "/v1/rerank": {"query": "a", "documents": ["b"]},
+    "/v2/rerank": {"query": "a", "documents": ["b"]}, "/classify": {"input": "hi"},
+    "/pooling": {"input": "hi"}, "/tokenize": {"prompt": "hi"}, "/detokenize": {"tokens": [1]}, "/v1/cancel": {},
+}
+HOSTILE_BODIES_PER_ROUTE = 40
+
+
+def _fields(published: dict, path: str) -> list[str]:
+    name = BODY_MODELS[path]
+    return sorted(published["components"]["schemas"][name].get("properties", {}))
+
+
+def test_hostile_values_in_every_route_get_a_4xx_and_leave_the_connection_open(fuzzed_gateway):
+    rng = random.Random(20261128)
+    published = httpx.get(f"{fuzzed_gateway.url}/openapi.json", headers=_key_headers("/", "valid")).json()
+    with httpx.Client(base_url=fuzzed_gateway.url, timeout=REQUEST_TIMEOUT_S) as client:
+        for path in BODY_MODELS:
+            model = ENCODER_MODEL if path in ENCODER_PATHS else MODEL
+            base = {"model": model, **VALID_BODIES[path]}
+            fields = [name for name in _fields(published, path) if name != "model"]
+            for _ in range(HOSTILE_BODIES_PER_ROUTE):
+                changed = dict.fromkeys(rng.sample(fields, min(len(fields), rng.randint(1, 3))))
+                parts = [orjson.dumps(name) + b": " + (rng.choice(HOSTILE) if name in changed else orjson.dumps(value))
+                         for name, value in {**base, **changed}.items()]
+                body = b"{" + b", ".join(parts) + b"}"
+                response = client.post(path, content=body, headers={"content-type": "application/json",
+                                                                    **_key_headers(path, "valid")})
+                if _no_tokenizer_in_the_fleet(path, response):
+                    continue
+                assert response.status_code < 500, (path, body[:500], response.text[:1000])
+                if response.status_code >= 400:
+                    assert_family_error_shape(path, response.status_code, response.json())

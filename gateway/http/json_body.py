@@ -4,7 +4,7 @@ FastAPI reads a body with the standard library's `json`, which takes what is not
 `Infinity` (Python's `json.dumps` writes them for a float nan or inf) and a lone surrogate such as
 "\\ud800". The handlers then read the same bytes again with orjson, to queue them as sent
 (`request_json`), and orjson refuses those: each was a 500. Here the request FastAPI reads is a
-`JSONRequest`, whose `json()` is orjson's parse (`loads`): what orjson refuses is FastAPI's own
+`JSONRequest`, whose `json()` refuses what orjson refuses (`loads`): that is FastAPI's own
 invalid-JSON error (a 400, gateway/http/errors.py), and the handlers' own parse takes every body
 FastAPI took. They parse again rather than share FastAPI's dict: the validated model holds parts of
 that dict, and the queued body must stay what the client sent.
@@ -13,6 +13,7 @@ that dict, and the queued body must stay what the client sent.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -21,28 +22,37 @@ from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
 _NOT_NUMBERS = (b"-Infinity", b"Infinity", b"NaN")
+# orjson reads an integer outside [-2**63, 2**64) as a float. A body with a run of digits that long
+# is read again by the standard library, whose integers are exact, so that the request models see
+# such an integer and refuse it where it would cross the wire (tests/test_fuzz.py).
+_LONG_DIGITS = re.compile(rb"\d{19}")
 
 
 def loads(body: bytes) -> Any:
-    """orjson's parse of a body. Where it refuses one, a json.JSONDecodeError in the standard library's
-    words when that refuses it too (FastAPI's, and so `vllm serve`'s, for a syntax error), else in
-    orjson's, said plainly for NaN and Infinity."""
+    """orjson's parse of a body (the standard library's where an integer may be past 64 bits)."""
     try:
-        return orjson.loads(body)
+        parsed = orjson.loads(body)
     except orjson.JSONDecodeError as refused:
-        try:
-            json.loads(body)
-        except json.JSONDecodeError:
-            raise
-        except UnicodeDecodeError as exc:
-            raise json.JSONDecodeError(f"it is not UTF-8 ({exc.reason})", "", exc.start) from None
-        except RecursionError:
-            pass
-        at = refused.pos
-        token = next((t for t in _NOT_NUMBERS if t in (body[max(at - 1, 0):][:len(t)], body[at:][:len(t)])), None)
-        if token is not None:
-            raise json.JSONDecodeError(f"{token.decode()} is not a JSON number", refused.doc, refused.pos) from None
-        raise json.JSONDecodeError(refused.msg, refused.doc, refused.pos) from None
+        raise _in_words(body, refused) from None
+    return json.loads(body) if _LONG_DIGITS.search(body) else parsed
+
+
+def _in_words(body: bytes, refused: orjson.JSONDecodeError) -> json.JSONDecodeError:
+    """Why orjson refused a body: in the standard library's words where that refuses it too (FastAPI's,
+    and so `vllm serve`'s, for a syntax error), else in orjson's, said plainly for NaN and Infinity."""
+    try:
+        json.loads(body)
+    except json.JSONDecodeError as exc:
+        return exc
+    except UnicodeDecodeError as exc:
+        return json.JSONDecodeError(f"it is not UTF-8 ({exc.reason})", "", exc.start)
+    except RecursionError:
+        pass
+    at = refused.pos
+    token = next((t for t in _NOT_NUMBERS if t in (body[max(at - 1, 0):][:len(t)], body[at:][:len(t)])), None)
+    if token is not None:
+        return json.JSONDecodeError(f"{token.decode()} is not a JSON number", refused.doc, refused.pos)
+    return json.JSONDecodeError(refused.msg, refused.doc, refused.pos)
 
 
 class JSONRequest(Request):

@@ -36,6 +36,7 @@ import hashlib
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
+from typing import Any
 
 from shared.envelopes import GenerationChunk, RequestEnvelope, Usage
 from shared.errors import InvalidRequest
@@ -73,7 +74,7 @@ class PrefixCache:
 def every_prompt_word(request: RequestEnvelope) -> list[str]:
     """Every word of the prompt, in order: of every message for chat, of every prompt for completion."""
     if request.kind == "chat":
-        return [word for m in request.body.get("messages") or () for word in _message_text(m).split()]
+        return [word for m in request.body.get("messages") or () for word in message_text(m).split()]
     return [word for prompt in request.prompts for word in _prompt_words(prompt)[0]]
 
 
@@ -81,8 +82,8 @@ def script_words(request: RequestEnvelope) -> list[tuple[list[str], int]]:
     """For each prompt, the words to repeat and the prompt's token count."""
     if request.kind == "chat":
         messages = request.body.get("messages") or ()
-        texts = [_message_text(m) for m in messages]
-        user_texts = [_message_text(m) for m in messages if m.get("role") == "user"]
+        texts = [message_text(m) for m in messages]
+        user_texts = [message_text(m) for m in messages if m.get("role") == "user"]
         words = (user_texts[-1] if user_texts else "").split()
         prompt_tokens = sum(len(t.split()) for t in texts)
         return [(words or ["ok"], prompt_tokens)]
@@ -96,7 +97,7 @@ def words_written(request: RequestEnvelope) -> int:
     if request.kind != "chat" or not request.body.get("continue_final_message") or not messages \
             or messages[-1].get("role") != "assistant":
         return 0
-    return len(_message_text(messages[-1]).split())
+    return len(message_text(messages[-1]).split())
 
 
 def _prompt_words(prompt: str | list[int] | None) -> tuple[list[str], int]:
@@ -106,11 +107,12 @@ def _prompt_words(prompt: str | list[int] | None) -> tuple[list[str], int]:
     return words or ["ok"], len(words)
 
 
-def _message_text(message: dict) -> str:
-    content = message.get("content")
+def message_text(message: Any) -> str:
+    """A chat message's text: its content, or its text parts joined; "" for anything else."""
+    content = message.get("content") if isinstance(message, dict) else None
     if isinstance(content, list):
-        return " ".join(part.get("text") or "" for part in content if isinstance(part, dict))
-    return content or ""
+        return " ".join(str(part.get("text") or "") for part in content if isinstance(part, dict))
+    return content if isinstance(content, str) else ""
 
 
 class ScriptedAdapter(GenerationAdapter):

@@ -29,6 +29,7 @@ from shared.envelopes import GenerationChunk, Pooled, RequestEnvelope, Usage
 from shared.errors import InvalidRequest
 from worker import metrics
 from worker.adapters.base import EncoderAdapter
+from worker.adapters.scripted import message_text
 
 DIMENSIONS = 64
 CONVERTS = {"embed": ("embed", "score", "rerank", "pooling"), "classify": ("classify", "pooling")}
@@ -40,18 +41,11 @@ def words_of(value: Any) -> list[str]:
     if isinstance(value, str):
         return value.split()
     if isinstance(value, list) and value and isinstance(value[0], dict):  # chat messages
-        return [word for message in value for word in _message_text(message).split()]
+        return [word for message in value for word in message_text(message).split()]
     if isinstance(value, dict):  # a multimodal score input: its text parts
         return [word for part in value.get("content") or () if isinstance(part, dict)
                 for word in (part.get("text") or "").split()]
     return [str(token) for token in value or ()]
-
-
-def _message_text(message: dict) -> str:
-    content = message.get("content")
-    if isinstance(content, list):
-        return " ".join(part.get("text") or "" for part in content if isinstance(part, dict))
-    return content or ""
 
 
 def inputs_of(body: dict[str, Any]) -> list[Any]:
