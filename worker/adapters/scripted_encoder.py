@@ -42,9 +42,8 @@ def words_of(value: Any) -> list[str]:
         return value.split()
     if isinstance(value, list) and value and isinstance(value[0], dict):  # chat messages
         return [word for message in value for word in message_text(message).split()]
-    if isinstance(value, dict):  # a multimodal score input: its text parts
-        return [word for part in value.get("content") or () if isinstance(part, dict)
-                for word in (part.get("text") or "").split()]
+    if isinstance(value, dict):  # a multimodal score input: its text parts, as a message's
+        return message_text(value).split()
     return [str(token) for token in value or ()]
 
 
