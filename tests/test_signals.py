@@ -156,3 +156,25 @@ def test_an_early_cancelled_completion_answers_every_prompts_choices(fleet):
         "model": MODEL, "prompt": ["a b", "c d", "e f"], "n": 2, "temperature": 1, "cancel_id": "multi-prompt"}).json()
     assert [c["index"] for c in answer["choices"]] == list(range(6))
     assert {c["finish_reason"] for c in answer["choices"]} == {"cancelled"}
+
+
+def test_a_request_running_past_the_reclaim_sweeps_idle_time_is_not_counted_reclaimed(redis_url):
+    """Every `claim_idle_s / 2` a worker's sweep takes back entries idle past `claim_idle_s`, a dead
+    worker's to run again; XAUTOCLAIM returns those of requests still running too, which are left
+    alone. They counted as reclaimed claims (the dashboard's "a dead worker's"): a request of 3 s on a
+    healthy worker showed about four."""
+    model = "signals-long-model"
+    worker = start_worker(redis_url, model, "--scripted-tokens-per-second", "100", "--claim-idle", "0.5")
+    gateway = start_gateway(redis_url)
+    try:
+        wait_until_served(gateway, model)
+        answer = httpx.post(f"{gateway.url}/v1/chat/completions", timeout=30, json={
+            "model": model, "messages": [{"role": "user", "content": "red"}], "max_tokens": 300})
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 300
+        claims = {source: metric_value(worker.url, "llmfleet_worker_claims_total", model=model, source=source)
+                  for source in ("own", "shared", "stolen", "reclaimed", "express")}
+        assert claims == {"own": 0, "shared": 1, "stolen": 0, "reclaimed": 0, "express": 0}
+        assert metric_value(worker.url, "llmfleet_worker_reclaimed_total", model=model) == 0
+    finally:
+        gateway.stop()
+        worker.stop()

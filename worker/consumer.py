@@ -345,7 +345,9 @@ class RequestConsumer:
             for stream in {claim[0] for claim in surplus}:
                 self.runner.spawn(self._keep_waiting(stream, [claim for claim in surplus if claim[0] == stream]))
         for stream, entry_id, data in claims:
-            metrics.CLAIMS.labels(self.model, source or ("own" if stream == self.own_stream else "shared")).inc()
+            if source != "reclaimed":  # a reclaim counts once its lease is taken (Runner._run): XAUTOCLAIM
+                # also returns the entries of requests still running, here or on a live worker, left alone
+                metrics.CLAIMS.labels(self.model, source or ("own" if stream == self.own_stream else "shared")).inc()
             if entry_id in tickets and not data:  # its request is gone (its queue expired): nothing to answer
                 self.runner.spawn(self._drop_entry(stream, entry_id))
             else:

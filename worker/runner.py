@@ -147,6 +147,7 @@ class Runner:
             self.publisher.hold(request.request_id, lease, (stream, entry_id))
             if reclaimed:
                 metrics.RECLAIMED.labels(self.model).inc()
+                metrics.CLAIMS.labels(self.model, "reclaimed").inc()
             else:
                 metrics.QUEUE_TIME.labels(self.model).observe(queued)
             runs = int(streamed or 0)  # runs of it that reached a client: 1 after the first, + each replay
