@@ -161,8 +161,8 @@ def test_an_early_cancelled_completion_answers_every_prompts_choices(fleet):
 def test_a_request_running_past_the_reclaim_sweeps_idle_time_is_not_counted_reclaimed(redis_url):
     """Every `claim_idle_s / 2` a worker's sweep takes back entries idle past `claim_idle_s`, a dead
     worker's to run again; XAUTOCLAIM returns those of requests still running too, which are left
-    alone. They counted as reclaimed claims (the dashboard's "a dead worker's"): a request of 3 s on a
-    healthy worker showed about four."""
+    alone. They counted as reclaimed claims (the dashboard's "a dead worker's"): one request of 3 s on a
+    healthy worker showed five."""
     model = "signals-long-model"
     worker = start_worker(redis_url, model, "--scripted-tokens-per-second", "100", "--claim-idle", "0.5")
     gateway = start_gateway(redis_url)
