@@ -51,7 +51,7 @@ def _in_words(body: bytes, refused: orjson.JSONDecodeError) -> json.JSONDecodeEr
     except RecursionError:
         pass
     at = refused.pos
-    token = next((t for t in _NOT_NUMBERS if t in (body[max(at - 1, 0):][:len(t)], body[at:][:len(t)])), None)
+    token = next((t for t in _NOT_NUMBERS if body.startswith(t, at) or (at and body.startswith(t, at - 1))), None)
     if token is not None:
         return json.JSONDecodeError(f"{token.decode()} is not a JSON number", refused.doc, refused.pos)
     return json.JSONDecodeError(refused.msg, refused.doc, refused.pos)
