@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 ENGINE ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 STAMP  := $(VENV)/.installed-$(ENGINE)
 
-.PHONY: install system-deps bytecode up test test-processes compose-wheels compose-base compose-prefetch compose-images test-vllm test-compose test-cluster test-vllm-cluster test-compose-images test-fast soak lint clean bench parity
+.PHONY: install system-deps bytecode up test test-processes compose-wheels compose-base compose-prefetch compose-images test-vllm test-compose test-cluster test-lanes test-cluster-after-vllm test-compose-after-vllm test-fast soak lint clean bench parity
 
 install: $(STAMP)
 
@@ -53,24 +53,28 @@ up: install
 # 1. the in-process and multi-process tiers, on three pytest workers at once (they mostly wait;
 #    their gateways and scripted workers fork from a zygote, tests/zygote.py);
 # 2. two lanes side by side, each printed whole when it ends: the vLLM tier (one test at a time:
-#    a CPU engine busies its core), then the tests of the multi-key scripts and slots again on a
-#    3-primary Redis Cluster (redis+cluster://, marker `cluster`: the hash-tagged keys must hold
-#    there too); and the build of the compose tier's images, then its stack's tests.
-# (Measured: the images built beside the first pass, three lanes at once, the vLLM engines started
-# beside the first pass, or the compose tier's tests overlapping the vLLM tier's busiest part (as
-# when its images are built faster), made timing-sensitive tests fail: two cores are shared.)
+#    a CPU engine busies its core) beside the build of the compose tier's images; once both are
+#    over, the compose tier's stack tests beside the tests of the multi-key scripts and slots again
+#    on a 3-primary Redis Cluster (redis+cluster://, marker `cluster`: the hash-tagged keys must
+#    hold there too). The stack (a vLLM worker in a container) never runs beside the vLLM tier's
+#    engines: Docker's containers share the CPU with the whole test run as equals (cgroup v1: the
+#    /docker group against the run's autogroup), so when it did, each slowed the other (measured: a
+#    run of 1,497 s where the same commit took 935 s; the engines took 355 s to start, not 88 s).
+# (Measured: the images built beside the first pass, three lanes at once, or the vLLM engines
+# started beside the first pass made timing-sensitive tests fail: two cores are shared.)
 test: install system-deps bytecode
 	$(MAKE) --no-print-directory test-processes
-	$(MAKE) --no-print-directory -j2 -Otarget test-vllm-cluster test-compose-images
+	$(MAKE) --no-print-directory -j2 -Otarget test-lanes
+
+test-lanes: test-cluster-after-vllm test-compose-after-vllm
 
 test-cluster: install
 	LLMFLEET_TEST_REDIS=cluster $(BIN)/python -m pytest -q -n 2 --dist worksteal -m "cluster and not vllm" --durations=10
 
-test-vllm-cluster: install
-	$(MAKE) --no-print-directory test-vllm
+test-cluster-after-vllm: test-vllm
 	$(MAKE) --no-print-directory test-cluster
 
-test-compose-images: compose-images
+test-compose-after-vllm: test-vllm compose-images
 	$(MAKE) --no-print-directory test-compose
 
 # The project's own bytecode, once: where PYTHONDONTWRITEBYTECODE is set (as on CI machines),
