@@ -17,9 +17,9 @@ install: $(STAMP)
 UV_INSTALL := $(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode \
               $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
 
-$(STAMP): pyproject.toml Makefile deploy/excludes-cpu.txt
+$(STAMP): pyproject.toml Makefile deploy/excludes-cpu.txt deploy/requirements-build.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q "uv==0.13.9"
+	$(BIN)/pip install -q -r deploy/requirements-build.txt
 ifeq ($(ENGINE),cuda)
 	$(UV_INSTALL) "vllm==0.32.*" -e ".[test,bench]"
 else
@@ -94,7 +94,7 @@ COMPOSE_CACHE := $(or $(LLMFLEET_CACHE_DIR),$(HOME)/.cache/llmfleet)
 
 compose-wheels:
 	$(PYTHON) -m pip download -q --no-deps -d $(COMPOSE_CACHE)/wheels -r deploy/requirements-gateway.txt \
-	  -r deploy/requirements-worker-cpu.txt
+	  -r deploy/requirements-worker-cpu.txt -r deploy/requirements-build.txt
 
 # The root filesystem of the compose tier's base image (debootstrap, as root), into the same cache:
 # the builds then only import it; where it cannot be made here, they make the image. CI does not:

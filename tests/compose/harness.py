@@ -38,7 +38,8 @@ INFRA_IMAGE = "llmfleet-test-infra:bookworm"
 # A fixed port: the wheel server's URL is a build argument, so a new port would rebuild the
 # dependency layers.
 WHEEL_PORT = 38765
-LOCKS = [ROOT / "deploy/requirements-gateway.txt", ROOT / "deploy/requirements-worker-cpu.txt"]
+LOCKS = [ROOT / "deploy/requirements-gateway.txt", ROOT / "deploy/requirements-worker-cpu.txt",
+         ROOT / "deploy/requirements-build.txt"]
 
 
 class Unavailable(Exception):
