@@ -93,6 +93,8 @@ class DirectConnection:
         replies = self._replies
         if replies is not None and replies.reads(connection) and replies.closed:
             await connection.disconnect()  # closed while idle (a restart, a timeout): nothing sent yet
+        if connection.is_connected and (replies is None or not replies.reads(connection)) and _ended(connection):
+            await connection.disconnect()  # closed by the server while the pool held it: never taken over
         if not connection.is_connected:  # new, closed while idle, or disconnected by a retried failure
             await connection.connect()
         if replies is None or not replies.reads(connection):
@@ -172,6 +174,19 @@ class _Replies(asyncio.Protocol):
         self.lost = self.lost or error
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_exception(error)
+
+
+def _ended(connection) -> bool:
+    """Whether a connected redis-py connection's socket has ended under its own reader: the server
+    closed it while it sat in the pool, and redis-py's health check on handing it out did not see
+    it. Its stream reader then holds the end of the stream, and the transport no longer reads (the
+    stream's protocol keeps a half-closed socket open), so a round trip taken over on it would wait
+    forever for replies and for the loss alike."""
+    reader, writer = getattr(connection, "_reader", None), getattr(connection, "_writer", None)
+    if not isinstance(reader, asyncio.StreamReader) or writer is None:  # a redis-py that keeps them elsewhere
+        return False
+    transport = writer.transport
+    return reader.at_eof() or reader.exception() is not None or transport.is_closing() or not transport.is_reading()
 
 
 def _words(command: tuple) -> tuple:

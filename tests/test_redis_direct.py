@@ -64,6 +64,24 @@ async def test_a_connection_closed_while_idle_is_connected_again_before_the_next
         assert second != first
 
 
+async def test_a_pooled_connection_the_server_closed_while_idle_is_not_taken_over_dead(redis_url: str) -> None:
+    """The pool may hand out a connection whose server closed it while it sat there: its stream
+    reader took the end of the stream, and the transport no longer reads (asyncio and uvloop stop
+    reading a half-closed socket whose protocol keeps it open). Taken over as it was, a round trip
+    on it waited forever (a worker's replies, after a Redis restart under load: the soak test's hangs)."""
+    async with direct(redis_url) as (client, connection), aioredis.Redis.from_url(redis_url) as other:
+        first = await client.client_id()  # its connection goes back to the pool, idle
+        await other.client_kill_filter(_id=first)
+        idle = client.connection_pool._available_connections[0]
+        for _ in range(100):
+            if idle._reader.at_eof():
+                break
+            await asyncio.sleep(0.01)
+        assert idle._reader.at_eof() and not idle._writer.transport.is_closing()  # half-closed, in the pool
+        [second] = await asyncio.wait_for(connection.execute([("CLIENT", "ID")]), 5)
+        assert second != first
+
+
 async def test_a_connection_closed_during_a_round_trip_fails_it_and_the_next_one_connects(redis_url: str) -> None:
     stream = _key("stream")
     async with direct(redis_url) as (client, connection):
