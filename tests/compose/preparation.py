@@ -130,7 +130,7 @@ def _build(stack: ComposeStack, env: dict[str, str], log) -> None:
 
 
 def main() -> int:
-    """Build the images now (`make test` does it beside the vLLM tier): the compose tier, run
+    """Build the images now (`make test` does it beside the vLLM tier, and runs the tier after it): the compose tier, run
     later, then finds every layer cached. Where Docker cannot be had, say why and leave it to the
     tier (which skips, or fails under LLMFLEET_COMPOSE_REQUIRED=1)."""
     preparation = Preparation()
