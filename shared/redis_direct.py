@@ -91,10 +91,10 @@ class DirectConnection:
     async def _round_trip(self, connection, commands: list[tuple]) -> list[Any]:
         packed = b"".join(hiredis.pack_command(_words(command)) for command in commands)
         replies = self._replies
-        if replies is not None and replies.reads(connection) and replies.closed:
-            await connection.disconnect()  # closed while idle (a restart, a timeout): nothing sent yet
-        if connection.is_connected and (replies is None or not replies.reads(connection)) and _ended(connection):
-            await connection.disconnect()  # closed by the server while the pool held it: never taken over
+        taken = replies is not None and replies.reads(connection)
+        ended = replies.closed if taken else connection.is_connected and _ended(connection)
+        if ended:  # closed while idle (a restart, a timeout), here or in the pool: nothing sent yet
+            await connection.disconnect()
         if not connection.is_connected:  # new, closed while idle, or disconnected by a retried failure
             await connection.connect()
         if replies is None or not replies.reads(connection):
