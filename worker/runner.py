@@ -246,8 +246,14 @@ class Runner:
     async def _continuation(self, request: RequestEnvelope) -> Continuation | None:
         """What the client of a stream taken over was sent, as its gateway saves it once it sees the
         worker lost (gateway/fleet/runs.py): waited for up to CONTINUATION_WAIT_S; None if it does not
-        come (the gateway is gone, or the text alone cannot be continued), or cannot be continued here."""
+        come (the gateway is gone, or the text alone cannot be continued), or cannot be continued here.
+
+        Not there at the first look, this worker tells the gateway that it has the request (its
+        note of a start, under its newer lease): the gateway may not have seen the worker before it
+        go, one whose lease lapsed while it lived (Redis stalled, or out of its reach for a while).
+        Following the newer lease, the gateway saves what its client was sent then."""
         waited_until = time.monotonic() + CONTINUATION_WAIT_S
+        first = True
         while request.request_id not in self.cancel_requested:
             try:
                 data = await self.batched.getdel(keys.continuation_key(request.request_id))
@@ -265,6 +271,9 @@ class Runner:
                 return None if full else state
             if time.monotonic() > waited_until:
                 return None
+            if first:
+                self.publisher.started(request)
+                first = False
             await asyncio.sleep(CONTINUATION_POLL_S)
         return None
 

@@ -83,8 +83,8 @@ class Run:
     says the caller is done with it (the reason is the cancel's cause if it has not ended); the
     owner does the rest when its `async with` ends, or earlier when asked (`Fleet.end`)."""
 
-    def __init__(self, envelope: RequestEnvelope, replies: asyncio.Queue[ChunkEnvelope | None],
-                 registry: WorkerRegistry, ready_takeover: Callable[[Run, Continuation | None], object] | None = None):
+    def __init__(self, envelope: RequestEnvelope, replies: asyncio.Queue[ChunkEnvelope | None], registry: WorkerRegistry,
+                 ready_takeover: Callable[[Run, Continuation | None, bool], object] | None = None):
         self.envelope = envelope
         self.request_id = envelope.request_id
         self._replies = replies
@@ -214,6 +214,14 @@ class Run:
             if self._sent is None:
                 self._lost()
             saved, self._continued_from = self._continued_from, None
+            if saved is None and self.envelope.continues:
+                # Taken over before this gateway saw its worker go: a lease that lapsed while its worker
+                # lived (Redis stalled, or out of its reach). Its taker waits for what the client was
+                # sent, which is final now: the old lease's replies are dropped from here on.
+                saved = self._takeover_state()
+                if saved is None or self._ready_takeover is None:
+                    self._lost()
+                self._ready_takeover(self, saved, True)
             if (saved is not None and saved.replay) or (self.envelope.replays_exactly and not self.envelope.continues):
                 self._replay = Replay(self._sent)
             elif saved is None or saved != self._sent.continuation():
@@ -275,7 +283,7 @@ class Run:
             # it waits, as a queued request does, for its lease to lapse and a worker to reclaim it.
             if not self._lost_at and self._found_gone() and self._ready_takeover is not None:
                 self._lost_at = time.monotonic()
-                self._ready_takeover(self, None)
+                self._ready_takeover(self, None, False)
         elif self.worker_id and (self._worker_gone or not self._worker_alive()):
             if self._sent is not None and self._awaiting_takeover():
                 return
@@ -297,16 +305,22 @@ class Run:
         if not self._lost_at:
             state = None
             if self.envelope.continues:
-                state = self._sent.continuation()
-                if self.envelope.replays_exactly and (state is None or not state.from_tokens):
-                    state = Continuation(choices=[], tokens=0, prompt_tokens=0, replay=True)
+                state = self._takeover_state()
                 if state is None or self._ready_takeover is None:
                     return False
                 self._continued_from = state
             if self._ready_takeover is not None:
-                self._ready_takeover(self, state)
+                self._ready_takeover(self, state, False)
             self._lost_at = now
         return now - self._lost_at < TAKEOVER_WAIT_S
+
+    def _takeover_state(self) -> Continuation | None:
+        """What a takeover of this stream, which continues, goes on from: what its client was sent (a
+        greedy one that cannot be continued from its tokens is replayed; None: it cannot go on)."""
+        state = self._sent.continuation()
+        if self.envelope.replays_exactly and (state is None or not state.from_tokens):
+            state = Continuation(choices=[], tokens=0, prompt_tokens=0, replay=True)
+        return state
 
     def _worker_alive(self) -> bool:
         """Its worker's heartbeat is live, or the worker spoke within a heartbeat's TTL: a worker
@@ -506,17 +520,21 @@ class Fleet:
             run.ending = self.spawn(self._unregister(run) if run.cancel_reason is not None else self._finish(run))
         return run.ending
 
-    def _ready_takeover(self, run: Run, state: Continuation | None) -> None:
+    def _ready_takeover(self, run: Run, state: Continuation | None, taken: bool = False) -> None:
         """Ready a stream whose worker is gone for another worker to take over: keep what its client
         was sent (`state`, for a continuation), take the gone worker's lease back, then name the
         request's entry on the model's takeover doorbell, where a worker with room claims it at once
-        (worker/consumer.py) instead of at its next sweep."""
+        (worker/consumer.py) instead of at its next sweep. `taken`: a worker has it already, and
+        waits for `state` alone."""
         request_id, worker_id, entry, model = run.request_id, run.worker_id, run.entry, run.envelope.model
 
         async def ready() -> None:
             try:
                 saved = [self.batched.set(keys.continuation_key(request_id), encode(state),
                                           ex=keys.CONTINUATION_TTL_S)] if state is not None else []
+                if taken:
+                    await asyncio.gather(*saved)
+                    return
                 await asyncio.gather(*saved, self._release_lease(keys=[keys.lease_key(request_id)], args=[worker_id]))
                 if entry is not None:
                     await takeover.ring(self.batched, model, [entry])

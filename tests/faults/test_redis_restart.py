@@ -112,3 +112,43 @@ def test_a_worker_told_to_stop_while_redis_is_gone_still_exits():
         assert worker.popen.wait(60) == 0, "the draining worker did not give up on Redis"
         log = worker.log()
         assert "dropping" in log or "publishing nothing more for it" in log, log[-3000:]
+
+
+@pytest.mark.parametrize("temperature", [0, 0.8])
+def test_a_stream_goes_on_after_redis_stalls_past_its_lease(temperature):
+    """Redis stops answering (SIGSTOP: a stall, as a failover's or a long fork's) for longer than a
+    lease lasts, while a stream is half sent. Its worker lives, but its lease lapses with Redis's
+    clock: the worker stops the generation, and the request is taken over (here by the same
+    worker, the only one) while its gateway never saw the worker go. The taker tells the gateway
+    it has the stream, the gateway saves what its client was sent, and the stream goes on from
+    there: one stream, no error, no text repeated or missing. (Before, the taker waited for a
+    continuation nobody saved, and the stream ended with a 502 some ten seconds later.)"""
+    redis = start_redis()
+    model = f"stall-{uuid.uuid4().hex[:6]}"
+    worker = start_worker(redis.url, model, "--scripted-tokens-per-second", "10", "--claim-idle", "1")
+    gateway = start_gateway(redis.url)
+    procs = [gateway, worker, redis]
+    try:
+        wait_until_served(gateway, model)
+        body = {**_chat(model, stream=True, max_tokens=60, temperature=temperature),
+                "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            seen = [next(lines) for _ in range(12)]  # the role chunk and some tokens, with their blank lines
+            os.kill(redis.pid, signal.SIGSTOP)
+            try:
+                time.sleep(keys.LEASE_TTL_S + 2)
+            finally:
+                os.kill(redis.pid, signal.SIGCONT)
+            events = [line[6:] for line in [*seen, *lines] if line.startswith("data: ")]
+        chunks = [json.loads(event) for event in events[:-1]]
+        assert not [chunk for chunk in chunks if "error" in chunk], events[-3:]
+        text = "".join(choice["delta"].get("content") or "" for chunk in chunks for choice in chunk["choices"])
+        assert text == " ".join(["ping", "pong"] * 30)
+        assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+        assert chunks[-1]["usage"]["completion_tokens"] == 60
+        log = worker.log()
+        assert "publishing nothing more for it" in log and "its worker stopped mid-stream; continuing it" in log
+    finally:
+        for proc in procs:
+            proc.stop()
