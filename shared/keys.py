@@ -65,6 +65,8 @@ part of the name. `<...>` is a placeholder.
 |                                      |         | reaches the subscribers of every node    |
 | llmfleet:presence:<worker_id>        | pub/sub | no storage; its worker subscribes while  |
 |                                      |         | it lives, nothing is published           |
+| llmfleet:presence:gateway:<gw_id>    | pub/sub | no storage; its gateway subscribes while |
+|                                      |         | it lives, nothing is published           |
 | llmfleet:events:{<response_id>}      | stream  | MAXLEN ~EVENT_LOG_MAXLEN; TTL: the run's |
 |                                      |         | deadline, then the gateway's keep time   |
 |                                      |         | once it ended (gateway/serve/resumable.py)       |
@@ -268,6 +270,12 @@ def presence_channel(worker_id: str) -> str:
     """A channel its worker subscribes to while its process lives (WorkerInfo.presence); nothing is
     published there: a dead process's connection, and its subscription, are gone at once."""
     return f"{PREFIX}:presence:{worker_id}"
+
+
+def gateway_presence_channel(gateway_id: str) -> str:
+    """A channel its gateway subscribes to while its process lives (RequestEnvelope.gateway_presence):
+    a worker whose running request's gateway has none left stops it, since nobody reads its replies."""
+    return f"{PREFIX}:presence:gateway:{gateway_id}"
 
 
 def cancel_group(tenant: str, *, cancel_id: str | None = None, session_id: str | None = None) -> str:

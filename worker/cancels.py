@@ -5,20 +5,27 @@ subscription is down (Redis restarted, a network blip) is lost. The gateway also
 cancel as `cancelled:{request_id}`, so the worker checks its running requests' stashes after
 each (re)subscription and with every heartbeat: a lost notice still stops its run within two
 seconds.
+
+A gateway that dies sends no cancel: its clients are gone with it, and nobody reads the replies
+of its requests. Each gateway holds a presence channel while it lives
+(`RequestEnvelope.gateway_presence`), whose subscription Redis drops the moment its process dies;
+each heartbeat counts the subscribers of the channels of the running requests' gateways, and a
+request whose gateway had none for GATEWAY_GONE_S of beats is stopped (cause `gateway_gone`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Collection, Container
+import time
+from collections.abc import Callable, Container, Mapping
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from shared import keys
 from shared.codec import decode
-from shared.envelopes import CancelNotice
+from shared.envelopes import CancelNotice, RequestEnvelope
 from shared.errors import EnvelopeError
 from shared.stopping import pause
 from worker import metrics
@@ -26,23 +33,28 @@ from worker import metrics
 log = logging.getLogger(__name__)
 
 Cancel = Callable[[str, str, float], None]  # request id, cause, when the gateway sent it (0: unknown)
+# How long a gateway's presence channel must have had no subscriber, at every beat, before its
+# requests are stopped: a gateway subscribes again within a second of Redis coming back.
+GATEWAY_GONE_S = 2.0
 
 
 class CancelFollower:
     """Follows the cancel channel; on the same connection it holds the worker's presence channel
     (keys.presence_channel), whose subscription Redis drops the moment the process dies."""
 
-    def __init__(self, redis: aioredis.Redis, model: str, running: Collection[str], requested: Container[str],
-                 cancel: Cancel, worker_id: str = ""):
+    def __init__(self, redis: aioredis.Redis, model: str, running: Mapping[str, RequestEnvelope],
+                 requested: Container[str], cancel: Cancel, worker_id: str = ""):
         self.redis = redis
         self.model = model
-        self.running = running  # the worker's running request ids (a live view)
+        self.running = running  # the worker's running requests by id (a live view)
         self.requested = requested  # those a cancel has reached already
         self.cancel = cancel
         # Not on a cluster, whose nodes count a channel's subscribers each for itself.
         self._channels = [keys.CANCEL_CHANNEL.encode()]
         if worker_id and not isinstance(redis, aioredis.RedisCluster):
             self._channels.append(keys.presence_channel(worker_id).encode())
+        self._stashed_before: dict[str, str] = {}  # the stashes the last beat found
+        self._absent_since: dict[str, float] = {}  # gateway presence channels found with no subscriber, since when
 
     @property
     def presence(self) -> bool:
@@ -88,9 +100,42 @@ class CancelFollower:
         for request_id in running:
             pipe.get(keys.cancelled_key(request_id))
         replies = await pipe.execute()
-        stashes = replies[len(replies) - len(running):]
+        return self._causes(running, replies[len(replies) - len(running):])
+
+    def _causes(self, running: list[str], stashes: list[bytes | None]) -> dict[str, str]:
         return {request_id: cause.decode() for request_id, cause in zip(running, stashes, strict=True)
                 if cause is not None and request_id not in self.requested}
+
+    async def beat(self, pipe) -> None:
+        """Run the heartbeat's `pipe` with what it looks at for the running requests added, then stop
+        those it finds ended: a cancel stash that this beat and the last both found (its notice, a
+        second on its way, was lost), and the requests of a gateway whose presence channel had no
+        subscriber at every beat for GATEWAY_GONE_S (the gateway is gone). A beat that fails
+        forgets what the last one found."""
+        running = list(self.running)
+        for request_id in running:
+            pipe.get(keys.cancelled_key(request_id))
+        channels = sorted({channel for request in self.running.values() if (channel := request.gateway_presence)})
+        if channels:
+            pipe.pubsub_numsub(*channels)
+        try:
+            replies = await pipe.execute()
+        except RedisError:
+            self._stashed_before, self._absent_since = {}, {}
+            raise
+        counts = dict(replies.pop()) if channels else {}
+        stashed = self._causes(running, replies[len(replies) - len(running):])
+        self.cancel_missed({rid: cause for rid, cause in stashed.items() if rid in self._stashed_before})
+        self._stashed_before = stashed
+        now = time.monotonic()
+        absent = {channel for channel in channels if not counts.get(channel.encode())}
+        self._absent_since = {channel: self._absent_since.get(channel, now) for channel in absent}
+        gone = {channel for channel, since in self._absent_since.items() if now - since >= GATEWAY_GONE_S}
+        for request_id, request in list(self.running.items()):
+            if request.gateway_presence in gone and request_id not in self.requested:
+                log.warning("request %s: its gateway is gone (nobody holds %s); stopping it", request_id,
+                            request.gateway_presence)
+                self.cancel(request_id, "gateway_gone", 0.0)
 
     def cancel_missed(self, missed: dict[str, str]) -> None:
         """Cancel running requests whose cancel notice never came (it was stashed, not received)."""

@@ -4,8 +4,9 @@ Each beat writes the worker's `WorkerInfo` (`keys.worker_key`, TTL HEARTBEAT_TTL
 that stops beating vanishes from every gateway's registry within it), keeps its model known
 (`keys.model_key`) and its own stream listed (`keys.affinity_streams`), and reads the cancel
 stashes of the requests it runs: a stash seen by two beats in
-a row had a second for its notice to arrive, so the notice was lost and the stash cancels the run
-(worker/cancels.py). `deregister` removes the heartbeat at the end of a stop. The leases, and the
+a row had a second for its notice to arrive, so the notice was lost and the stash cancels the run.
+It also counts who holds the presence channels of their gateways: a gateway gone stops its
+requests (worker/cancels.py). `deregister` removes the heartbeat at the end of a stop. The leases, and the
 heartbeat key's TTL between beats, are renewed by a thread of their own (worker/leases.py).
 """
 
@@ -44,7 +45,6 @@ class Heartbeat:
         self.own_stream = keys.worker_stream(model, worker_id)
 
     async def run(self, stopping: asyncio.Event) -> None:
-        stashed_before: dict[str, str] = {}
         while not stopping.is_set():
             pipe = (self.batched.pipeline(transaction=False)
                     .set(keys.worker_key(self.worker_id), encode(self.info()), ex=keys.HEARTBEAT_TTL_S)
@@ -55,13 +55,10 @@ class Heartbeat:
                     .expire(self.own_stream, keys.AFFINITY_STREAM_TTL_S))
             sent = time.monotonic()
             try:
-                stashed = await self.cancels.stashed(pipe)
+                await self.cancels.beat(pipe)
                 self.beaten()
             except RedisError as exc:
                 log.warning("heartbeat failed: %s", exc)
-                stashed = {}
-            self.cancels.cancel_missed({rid: cause for rid, cause in stashed.items() if rid in stashed_before})
-            stashed_before = stashed
             # One beat per interval, counted from when this one was sent: a slow Redis delays the next
             # by no more than it has to.
             await pause(stopping, max(0.0, keys.HEARTBEAT_INTERVAL_S - (time.monotonic() - sent)))

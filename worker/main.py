@@ -83,7 +83,7 @@ class Worker:
         self.consumer = RequestConsumer(redis, self.batched, self.runner, self.model, self.worker_id, max_concurrency,
                                         claim_idle_s=claim_idle_s, steal_after_s=steal_after_s,
                                         express_slots=express_slots, takeover_slots=takeover_slots)
-        self.cancels = CancelFollower(redis, self.model, self.runner.running, self.runner.cancel_requested,
+        self.cancels = CancelFollower(redis, self.model, self.runner.requests, self.runner.cancel_requested,
                                       lambda rid, cause, sent_at: self.runner.spawn(self.runner.cancel(rid, cause,
                                                                                                       sent_at)),
                                       self.worker_id)

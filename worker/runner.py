@@ -91,7 +91,7 @@ class Runner:
         self.migration_limit = migration_limit  # replays of one stream that a dead worker had begun
         self.on_engine_failure = on_engine_failure  # the engine raised: the worker checks whether it died
         self.running: dict[str, asyncio.Task] = {}
-        self._requests: dict[str, RequestEnvelope] = {}  # of the running requests
+        self.requests: dict[str, RequestEnvelope] = {}  # the running requests (the keys of `running`)
         self.cancel_requested: dict[str, str] = {}  # request id -> cause
         self.completed = 0  # requests answered since the worker started
         self.on_finished: Callable[[], None] = lambda: None  # a slot is free: the consumer may claim
@@ -111,7 +111,7 @@ class Runner:
             return
         task = asyncio.create_task(self._run(stream, entry_id, request, reclaimed), name=request.request_id)
         self.running[request.request_id] = task
-        self._requests[request.request_id] = request
+        self.requests[request.request_id] = request
         task.add_done_callback(lambda _t, rid=request.request_id: self._finished(rid))
 
     def spawn(self, job) -> None:
@@ -122,7 +122,7 @@ class Runner:
 
     def _finished(self, request_id: str) -> None:
         self.running.pop(request_id, None)
-        self._requests.pop(request_id, None)
+        self.requests.pop(request_id, None)
         self.leases.forget(request_id)
         self.publisher.release(request_id)
         self.cancel_requested.pop(request_id, None)
@@ -461,12 +461,12 @@ class Runner:
         nothing), and stop them here. Their entries stay pending, rung on the model's takeover
         doorbell for a worker with room to claim at once (`shared.takeover`); else the others'
         sweeps reclaim them (`reclaim_requests`), as a dead worker's."""
-        handed = [rid for rid, request in self._requests.items() if isinstance(self.adapter, GenerationAdapter)
+        handed = [rid for rid, request in self.requests.items() if isinstance(self.adapter, GenerationAdapter)
                   and (request.replays_exactly or request.continues or not request.stream)]
         if not handed:
             return
         notices = [self.publisher.last(request, GenerationChunk(text=None, handed_over=True))
-                   for rid in handed if (request := self._requests[rid]).continues]
+                   for rid in handed if (request := self.requests[rid]).continues]
         for request_id in handed:
             self.leases.give_up(request_id)
         if notices:  # on the wire before the lease goes: its gateway saves what to continue from
@@ -480,7 +480,7 @@ class Runner:
             # rung for a worker with room to claim at once, not at its next sweep (a stream to be
             # continued is rung by its gateway, once it has saved what to continue from)
             await takeover.ring(self.batched, self.model, [self.publisher.entry(rid) for rid in handed
-                                                           if not self._requests[rid].continues])
+                                                           if not self.requests[rid].continues])
         except RedisError as exc:  # the leases lapse on their own (LEASE_TTL_S), unrenewed; the sweeps find them
             log.warning("handing over %d requests failed: %s", len(handed), exc)
         metrics.HANDED_OVER.labels(self.model).inc(len(handed))

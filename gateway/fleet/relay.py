@@ -40,6 +40,9 @@ class ReplyRouter:
                  on_overflow: Callable[[str], None] = lambda request_id: None):
         self.redis = redis
         self.stream = keys.reply_stream(gateway_id)
+        # Held while this process lives (`hold_presence`); not on a cluster, whose nodes count a
+        # channel's subscribers each for itself.
+        self.presence = "" if isinstance(redis, aioredis.RedisCluster) else keys.gateway_presence_channel(gateway_id)
         self.max_buffered = max_buffered  # envelopes waiting for one slow client
         self.on_overflow = on_overflow
         self._routes: dict[str, asyncio.Queue[ChunkEnvelope | None]] = {}
@@ -171,6 +174,26 @@ class ReplyRouter:
         for queue in self._routes.values():
             if queue.empty():
                 queue.put_nowait(SILENCE)
+
+    async def hold_presence(self) -> None:
+        """Subscribe to this gateway's presence channel while it lives (nothing is published there):
+        Redis drops the subscription the moment the process dies, and the workers running its
+        requests, finding nobody there, stop them (worker/cancels.py). Subscribed again after Redis
+        comes back."""
+        while self.presence and not self.stopping.is_set():
+            pubsub = self.redis.pubsub()
+            try:
+                await pubsub.subscribe(self.presence)
+                async for _message in pubsub.listen():  # only its subscription's confirmation comes
+                    pass
+            except RedisError as exc:
+                log.warning("gateway presence channel lost: %s; subscribing again", exc)
+            finally:
+                try:
+                    await pubsub.aclose()
+                except (RedisError, OSError):
+                    pass
+            await pause(self.stopping, 0.5)
 
     async def keep_alive(self) -> None:
         """Refresh the reply stream's TTL while this gateway lives."""

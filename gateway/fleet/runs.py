@@ -412,7 +412,7 @@ class Fleet:
     async def start(self) -> None:
         self._loops = [asyncio.create_task(job, name=job.__qualname__) for job in (
             self.batched.run(), self.router.run(), self.router.watch_silence(SILENCE_CHECK_S),
-            self.router.keep_alive(), self.registry.run(), self.limits.run())]
+            self.router.keep_alive(), self.router.hold_presence(), self.registry.run(), self.limits.run())]
 
     async def stop(self) -> None:
         """Let the last runs' cancels and unregistering finish, stop the loops, close the pool: each
@@ -459,7 +459,7 @@ class Fleet:
         from the queue first, or cancelling it on its worker once one has claimed it."""
         self.check_open(envelope)
         grant = await self.limits.admit(envelope, key)  # its key's limits (404, 429), before anything is registered
-        envelope.reply_to = self.router.stream
+        envelope.reply_to, envelope.gateway_presence = self.router.stream, self.router.presence
         run = Run(envelope, self.router.open(envelope.request_id), self.registry, self._ready_takeover)
         run.grant = grant  # released by the run's ending, on every path
         try:
