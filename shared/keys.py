@@ -272,6 +272,12 @@ def presence_channel(worker_id: str) -> str:
     return f"{PREFIX}:presence:{worker_id}"
 
 
+# How long a gateway's presence channel must have had no subscriber, every time it was counted, before
+# the gateway is taken for gone: its requests are stopped (worker/cancels.py), and followers of the runs it
+# relayed end (gateway/serve/resumable.py). A gateway subscribes again within a second of Redis coming back.
+GATEWAY_GONE_S = 2.0
+
+
 def gateway_presence_channel(gateway_id: str) -> str:
     """A channel its gateway subscribes to while its process lives (RequestEnvelope.gateway_presence):
     a worker whose running request's gateway has none left stops it, since nobody reads its replies."""

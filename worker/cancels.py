@@ -10,7 +10,7 @@ A gateway that dies sends no cancel: its clients are gone with it, and nobody re
 of its requests. Each gateway holds a presence channel while it lives
 (`RequestEnvelope.gateway_presence`), whose subscription Redis drops the moment its process dies;
 each heartbeat counts the subscribers of the channels of the running requests' gateways, and a
-request whose gateway had none for GATEWAY_GONE_S of beats is stopped (cause `gateway_gone`).
+request whose gateway had none for keys.GATEWAY_GONE_S of beats is stopped (cause `gateway_gone`).
 """
 
 from __future__ import annotations
@@ -33,9 +33,6 @@ from worker import metrics
 log = logging.getLogger(__name__)
 
 Cancel = Callable[[str, str, float], None]  # request id, cause, when the gateway sent it (0: unknown)
-# How long a gateway's presence channel must have had no subscriber, at every beat, before its
-# requests are stopped: a gateway subscribes again within a second of Redis coming back.
-GATEWAY_GONE_S = 2.0
 
 
 class CancelFollower:
@@ -110,7 +107,7 @@ class CancelFollower:
         """Run the heartbeat's `pipe` with what it looks at for the running requests added, then stop
         those it finds ended: a cancel stash that this beat and the last both found (its notice, a
         second on its way, was lost), and the requests of a gateway whose presence channel had no
-        subscriber at every beat for GATEWAY_GONE_S (the gateway is gone). A beat that fails
+        subscriber at every beat for keys.GATEWAY_GONE_S (the gateway is gone). A beat that fails
         forgets what the last one found."""
         running = list(self.running)
         for request_id in running:
@@ -130,7 +127,7 @@ class CancelFollower:
         now = time.monotonic()
         absent = {channel for channel in channels if not counts.get(channel.encode())}
         self._absent_since = {channel: self._absent_since.get(channel, now) for channel in absent}
-        gone = {channel for channel, since in self._absent_since.items() if now - since >= GATEWAY_GONE_S}
+        gone = {channel for channel, since in self._absent_since.items() if now - since >= keys.GATEWAY_GONE_S}
         for request_id, request in list(self.running.items()):
             if request.gateway_presence in gone and request_id not in self.requested:
                 log.warning("request %s: its gateway is gone (nobody holds %s); stopping it", request_id,

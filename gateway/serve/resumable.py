@@ -58,6 +58,7 @@ OPEN_ID = "0-1"
 END_ID = "2-0"
 FRAME_FIELD = b"e"
 TENANT_FIELD = b"tenant"  # of the opening entry
+PRESENCE_FIELD = b"presence"  # of the opening entry: the relaying gateway's presence channel, if it holds one
 READ_BATCH = 1000  # log entries per read
 FOLLOW_BLOCK_MS = 1000  # a follower on another replica wakes at least this often (reader mark, expiry)
 READER_CHECK_S = 1.0  # how often a resumable run with no local reader looks for one elsewhere
@@ -77,10 +78,12 @@ class EventLog:
         self.redis = redis
         self.key = keys.event_log_key(response_id)
 
-    async def open(self, tenant: str, ttl_s: int) -> None:
-        """Create the log (its opening entry, naming its tenant), before any event is appended."""
-        await self.redis.pipeline(transaction=False).xadd(self.key, {b"open": b"", TENANT_FIELD: tenant},
-                                                          id=OPEN_ID).expire(self.key, ttl_s).execute()
+    async def open(self, tenant: str, ttl_s: int, presence: str = "") -> None:
+        """Create the log (its opening entry, naming its tenant and the presence channel of the gateway
+        that relays it), before any event is appended."""
+        await self.redis.pipeline(transaction=False).xadd(
+            self.key, {b"open": b"", TENANT_FIELD: tenant, PRESENCE_FIELD: presence}, id=OPEN_ID
+        ).expire(self.key, ttl_s).execute()
 
     async def append(self, first_id: int, frames: list[bytes], ttl_s: int) -> None:
         """Add the frames of events `first_id`, `first_id + 1`...: one round trip."""
@@ -98,10 +101,14 @@ class EventLog:
     async def exists(self) -> bool:
         return bool(await self.redis.exists(self.key))
 
-    async def tenant(self) -> str | None:
-        """The tenant the response is for, None when no log is kept."""
+    async def opening(self) -> tuple[str, str] | None:
+        """The tenant the response is for and the presence channel of the gateway relaying it ("":
+        none held); None when no log is kept."""
         opening = await self.redis.xrange(self.key, OPEN_ID, OPEN_ID)
-        return opening[0][1].get(TENANT_FIELD, b"").decode() if opening else None
+        if not opening:
+            return None
+        fields = opening[0][1]
+        return fields.get(TENANT_FIELD, b"").decode(), fields.get(PRESENCE_FIELD, b"").decode()
 
     async def read(self, after: int, block_ms: int | None = None) -> tuple[list[tuple[int, bytes]], bool]:
         """The events with an id above `after` (-1: all), up to READ_BATCH of them, and whether
@@ -161,7 +168,7 @@ class DetachedRun:
             run = await owner.enter_async_context(self.life)
             if self.log is not None:
                 try:
-                    await self.log.open(self.envelope.tenant, self._ttl_while_running())
+                    await self.log.open(self.envelope.tenant, self._ttl_while_running(), self.envelope.gateway_presence)
                 except (RedisError, OSError) as exc:  # nobody could read it
                     raise ServiceUnavailable("The request queue is unreachable; try again shortly.") from exc
             self.fleet.detached[self.response_id] = self
@@ -311,7 +318,8 @@ async def follow(fleet: Fleet, response_id: str, after: int | None, tenant: str)
     local = fleet.detached.get(response_id)
     listener = local.listen() if local is not None else None  # before the replay: nothing falls between
     try:
-        if await events.tenant() != tenant:
+        opening = await events.opening()
+        if opening is None or opening[0] != tenant:
             raise NotFound(f"No events are kept for the stream `{response_id}`: it is unknown, was not "
                            "streamed, or ended too long ago.", param="response_id")
         batch, ended = await events.read(after)
@@ -324,7 +332,7 @@ async def follow(fleet: Fleet, response_id: str, after: int | None, tenant: str)
         raise
     if listener is not None:
         return _follow_here(local, listener, events, after, batch, ended)
-    return _follow_log(fleet, events, response_id, after, batch, ended)
+    return _follow_log(fleet, events, response_id, after, batch, ended, opening[1])
 
 
 async def _follow_here(run: DetachedRun, listener: asyncio.Queue[Frames | None], events: EventLog, after: int,
@@ -346,10 +354,13 @@ async def _follow_here(run: DetachedRun, listener: asyncio.Queue[Frames | None],
 
 
 async def _follow_log(fleet: Fleet, events: EventLog, response_id: str, after: int,
-                      batch: list[tuple[int, bytes]], ended: bool) -> AsyncIterator[bytes]:
-    """The events of a run relayed elsewhere, from the log, marking that a client reads it."""
+                      batch: list[tuple[int, bytes]], ended: bool, presence: str) -> AsyncIterator[bytes]:
+    """The events of a run relayed elsewhere, from the log, marking that a client reads it. Ends
+    early, unended, if the gateway relaying it is gone: nobody holds its presence channel (once a
+    second, for keys.GATEWAY_GONE_S), or the log expired unended."""
     reader_key = keys.stream_reader_key(response_id)
     next_mark = 0.0
+    absent_since = 0.0  # when the relaying gateway's presence channel was first found with nobody
     while True:
         if batch:
             if batch[0][0] != after + 1:  # trimmed under a reader that fell far behind
@@ -360,7 +371,17 @@ async def _follow_log(fleet: Fleet, events: EventLog, response_id: str, after: i
         if ended:
             return
         if time.monotonic() >= next_mark:  # at most once a second, however fast the events come
-            await fleet.batched.set(reader_key, b"1", ex=keys.STREAM_READER_TTL_S)
+            marked = fleet.batched.set(reader_key, b"1", ex=keys.STREAM_READER_TTL_S)
+            if not presence:
+                await marked
+            else:
+                _, counts = await asyncio.gather(marked, fleet.batched.pubsub_numsub(presence))
+                now = time.monotonic()
+                absent_since = (absent_since or now) if not dict(counts).get(presence.encode()) else 0.0
+                if absent_since and now - absent_since >= keys.GATEWAY_GONE_S:
+                    log.warning("the gateway relaying %s is gone (nobody holds %s); ending its follower",
+                                response_id, presence)
+                    return
             next_mark = time.monotonic() + READER_CHECK_S
         batch, ended = await events.read(after, block_ms=FOLLOW_BLOCK_MS)
         if not batch and not ended and not await events.exists():

@@ -1,15 +1,17 @@
 """A gateway that dies (SIGKILL: an OOM kill, a lost node) sends no cancel, and its clients are gone
 with it: the workers running its requests stop them, since nobody reads their replies, while the
-requests of a live gateway run on.
+requests of a live gateway run on. A client following one of its resumable streams from another
+gateway is let go, not left waiting for the stream's log to expire.
 
 Each gateway subscribes to a presence channel of its own while it lives; Redis drops the
 subscription when the process dies, and a worker's heartbeat, finding nobody on the channel of a
-running request's gateway for GATEWAY_GONE_S, stops the request (worker/cancels.py). Before, the
+running request's gateway for keys.GATEWAY_GONE_S, stops the request (worker/cancels.py). Before, the
 engine went on with a dead gateway's requests to their last token or their deadline.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -22,7 +24,6 @@ import redis
 from shared import keys
 from tests.conftest import leftover_keys
 from tests.procs import metric_value, start_gateway, start_redis, start_worker, wait_for, wait_until_served
-from worker.cancels import GATEWAY_GONE_S
 
 pytestmark = pytest.mark.integration
 
@@ -53,15 +54,24 @@ def _in_background(url: str, body: dict) -> dict:
     return result
 
 
-def test_a_dead_gateways_requests_are_stopped_and_a_live_ones_run_on():
+@contextlib.contextmanager
+def _fleet():
+    """Redis, a scripted worker and two gateways: (Redis, model, worker, the doomed gateway, the living one)."""
     server = start_redis()
     model = f"orphans-{uuid.uuid4().hex[:6]}"
     worker = start_worker(server.url, model, "--scripted-tokens-per-second", str(TOKENS_PER_SECOND))
     doomed, living = start_gateway(server.url), start_gateway(server.url)
-    procs = [doomed, living, worker, server]
     try:
         for gateway in (doomed, living):
             wait_until_served(gateway, model)
+        yield server, model, worker, doomed, living
+    finally:
+        for proc in (doomed, living, worker, server):
+            proc.stop()
+
+
+def test_a_dead_gateways_requests_are_stopped_and_a_live_ones_run_on():
+    with _fleet() as (server, model, worker, doomed, living):
         orphans = [_in_background(doomed.url, _chat(model, LONG, stream)) for stream in (True, True, False)]
         kept = _in_background(living.url, _chat(model, SHORT, True))
         wait_for(lambda: metric_value(worker.url, "llmfleet_worker_in_flight") == 4, 10, "all four to run")
@@ -72,7 +82,7 @@ def test_a_dead_gateways_requests_are_stopped_and_a_live_ones_run_on():
                  "the dead gateway's three requests to stop", interval=0.1)
         stopped_after = time.monotonic() - killed_at
         print(f"the dead gateway's requests stopped {stopped_after:.1f}s after its SIGKILL")
-        assert stopped_after >= GATEWAY_GONE_S  # not before its absence had lasted
+        assert stopped_after >= keys.GATEWAY_GONE_S  # not before its absence had lasted
         assert metric_value(worker.url, "llmfleet_worker_cancels_total", cause="gateway_gone") == 3
         assert [orphan.get("error") for orphan in orphans] == ["RemoteProtocolError"] * 3  # their clients saw the kill
 
@@ -86,6 +96,30 @@ def test_a_dead_gateways_requests_are_stopped_and_a_live_ones_run_on():
         client = redis.Redis.from_url(server.url)
         wait_for(lambda: not leftover_keys(client), 10, "the requests to be settled")
         assert client.xlen(keys.request_stream(model)) == 0
-    finally:
-        for proc in procs:
-            proc.stop()
+
+
+def test_a_follower_of_a_dead_gateways_resumable_stream_is_let_go():
+    with _fleet() as (_server, model, worker, doomed, living):
+        body = {**_chat(model, LONG, True), "resumable": True}
+        with httpx.stream("POST", f"{doomed.url}/v1/chat/completions", json=body, timeout=30) as response:
+            first = next(line for line in response.iter_lines() if line.startswith("data: "))
+        response_id = json.loads(first[6:])["id"]  # its client hung up: the run goes on, its events kept
+        followed: dict = {"lines": []}
+
+        def follow():
+            with httpx.stream("GET", f"{living.url}/v1/streams/{response_id}", timeout=120) as answer:
+                followed["status"] = answer.status_code
+                for line in answer.iter_lines():
+                    followed["lines"].append(line)
+
+        thread = threading.Thread(target=follow, daemon=True)
+        thread.start()
+        wait_for(lambda: len(followed["lines"]) > 20, 10, "the follower to read the live stream")
+        doomed.kill()
+        killed_at = time.monotonic()
+        thread.join(20)  # before, it waited for the log to expire: the run's deadline and then some
+        assert not thread.is_alive(), "the follower of a dead gateway's stream was not let go"
+        print(f"the follower was let go {time.monotonic() - killed_at:.1f}s after the relaying gateway's SIGKILL")
+        assert followed["status"] == 200 and "data: [DONE]" not in followed["lines"]
+        wait_for(lambda: metric_value(worker.url, "llmfleet_worker_cancels_total", cause="gateway_gone") == 1, 10,
+                 "the worker to stop the dead gateway's run")
