@@ -60,6 +60,16 @@ redis.call('EXPIRE', KEYS[1], ARGV[4])
 return status
 """
 
+# KEYS: the response hash. ARGV: tenant, the failed response's JSON. The tenant's response, if it
+# still runs, becomes that failed one; returns 1 if it did.
+_FAIL = """
+if redis.call('HGET', KEYS[1], 'tenant') ~= ARGV[1] then return 0 end
+local status = redis.call('HGET', KEYS[1], 'status')
+if status ~= 'queued' and status ~= 'in_progress' then return 0 end
+redis.call('HSET', KEYS[1], 'response', ARGV[2], 'status', 'failed')
+return 1
+"""
+
 # KEYS: the response hash. ARGV: tenant. Deletes the tenant's response; returns 1 if it did.
 _DELETE = """
 if redis.call('HGET', KEYS[1], 'tenant') ~= ARGV[1] then return 0 end
@@ -83,6 +93,7 @@ class ResponseStore:
         self._cancel = redis.register_script(_CANCEL)
         self._finish = redis.register_script(_FINISH)
         self._delete = redis.register_script(_DELETE)
+        self._fail = redis.register_script(_FAIL)
         self._index = BoundedIndex(redis, keys.RESPONSE_INDEX, max_entries, self.ttl_s,
                                    lambda response_id: [keys.response_key(response_id)])
 
@@ -120,6 +131,11 @@ class ResponseStore:
         """Mark the tenant's running response cancelled; returns its status before, None if there is none."""
         status = await self._cancel(keys=[keys.response_key(response_id)], args=["cancelled", tenant])
         return status.decode() if isinstance(status, bytes) else status
+
+    async def fail(self, failed: dict[str, Any], tenant: str) -> bool:
+        """Store the tenant's response as `failed` (its Response object, status "failed") if it still
+        runs; whether it did."""
+        return bool(await self._fail(keys=[keys.response_key(failed["id"])], args=[tenant, orjson.dumps(failed)]))
 
     async def delete(self, response_id: str, tenant: str) -> bool:
         if not await self._delete(keys=[keys.response_key(response_id)], args=[tenant]):

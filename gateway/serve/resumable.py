@@ -335,6 +335,20 @@ async def follow(fleet: Fleet, response_id: str, after: int | None, tenant: str)
     return _follow_log(fleet, events, response_id, after, batch, ended, opening[1])
 
 
+async def relay_gone(fleet: Fleet, response_id: str) -> bool:
+    """Whether the gateway relaying response `response_id` has died: its log names the presence
+    channel it held, and nobody holds it now (one look: a gateway subscribes again within a
+    second of Redis coming back, and its runs did not outlive Redis going away)."""
+    opening = await EventLog(fleet.redis, response_id).opening()
+    return opening is not None and bool(opening[1]) and not await _held(fleet, opening[1])
+
+
+async def _held(fleet: Fleet, presence: str) -> bool:
+    """Whether a gateway holds the presence channel `presence` (keys.gateway_presence_channel)."""
+    counts = await fleet.batched.pubsub_numsub(presence)
+    return bool(dict(counts).get(presence.encode()))
+
+
 async def _follow_here(run: DetachedRun, listener: asyncio.Queue[Frames | None], events: EventLog, after: int,
                        batch: list[tuple[int, bytes]], ended: bool) -> AsyncIterator[bytes]:
     """The replay from the log, then the live frames of a run this process relays."""
@@ -375,9 +389,9 @@ async def _follow_log(fleet: Fleet, events: EventLog, response_id: str, after: i
             if not presence:
                 await marked
             else:
-                _, counts = await asyncio.gather(marked, fleet.batched.pubsub_numsub(presence))
+                _, held = await asyncio.gather(marked, _held(fleet, presence))
                 now = time.monotonic()
-                absent_since = (absent_since or now) if not dict(counts).get(presence.encode()) else 0.0
+                absent_since = 0.0 if held else absent_since or now
                 if absent_since and now - absent_since >= keys.GATEWAY_GONE_S:
                     log.warning("the gateway relaying %s is gone (nobody holds %s); ending its follower",
                                 response_id, presence)

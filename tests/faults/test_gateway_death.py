@@ -1,7 +1,8 @@
 """A gateway that dies (SIGKILL: an OOM kill, a lost node) sends no cancel, and its clients are gone
 with it: the workers running its requests stop them, since nobody reads their replies, while the
 requests of a live gateway run on. A client following one of its resumable streams from another
-gateway is let go, not left waiting for the stream's log to expire.
+gateway is let go, not left waiting for the stream's log to expire, and its background responses
+read as failed, not as running for ever.
 
 Each gateway subscribes to a presence channel of its own while it lives; Redis drops the
 subscription when the process dies, and a worker's heartbeat, finding nobody on the channel of a
@@ -121,5 +122,23 @@ def test_a_follower_of_a_dead_gateways_resumable_stream_is_let_go():
         assert not thread.is_alive(), "the follower of a dead gateway's stream was not let go"
         print(f"the follower was let go {time.monotonic() - killed_at:.1f}s after the relaying gateway's SIGKILL")
         assert followed["status"] == 200 and "data: [DONE]" not in followed["lines"]
+        wait_for(lambda: metric_value(worker.url, "llmfleet_worker_cancels_total", cause="gateway_gone") == 1, 10,
+                 "the worker to stop the dead gateway's run")
+
+
+def test_a_dead_gateways_background_response_reads_as_failed():
+    with _fleet() as (_server, model, worker, doomed, living):
+        created = httpx.post(f"{doomed.url}/v1/responses", timeout=30, json={
+            "model": model, "input": "ping pong", "background": True, "max_output_tokens": LONG}).json()
+        response_id = created["id"]
+        wait_for(lambda: metric_value(worker.url, "llmfleet_worker_in_flight") == 1, 10, "the response to run")
+        running = httpx.get(f"{living.url}/v1/responses/{response_id}", timeout=10).json()
+        assert running["status"] in ("queued", "in_progress") and "error" not in running  # its gateway lives
+
+        doomed.kill()
+        wait_for(lambda: httpx.get(f"{living.url}/v1/responses/{response_id}", timeout=10).json()["status"]
+                 == "failed", 10, "the response to read as failed")
+        failed = httpx.get(f"{living.url}/v1/responses/{response_id}", timeout=10).json()
+        assert failed["error"]["code"] == "server_error" and "stopped" in failed["error"]["message"]
         wait_for(lambda: metric_value(worker.url, "llmfleet_worker_cancels_total", cause="gateway_gone") == 1, 10,
                  "the worker to stop the dead gateway's run")

@@ -619,7 +619,17 @@ async def retrieve_response(response_id: str, request: Request, stream: bool = F
     if stream:  # replay the kept events after `starting_after`, then follow the live ones
         return StreamingResponse(await resumable.follow(fleet, response_id, starting_after, tenant),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
-    return json_response(stored.response)
+    response = stored.response
+    if response["status"] in ("queued", "in_progress") and await resumable.relay_gone(fleet, response_id):
+        # Its gateway died with it (its workers stopped the run): it will never end on its own.
+        failed = {**response, "status": "failed", "error": {
+            "code": "server_error", "message": "The gateway running this response stopped before it finished; "
+                                               "create it again."}}
+        if await fleet.responses.fail(failed, tenant):
+            response = failed
+        elif (stored := await fleet.responses.get(response_id, tenant)) is not None:  # it ended meanwhile
+            response = stored.response
+    return json_response(response)
 
 
 @router.get("/v1/responses/{response_id}/input_items")
