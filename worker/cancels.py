@@ -93,11 +93,16 @@ class CancelFollower:
     async def stashed(self, pipe) -> dict[str, str]:
         """Run `pipe` with a GET of each running request's cancel stash added; the causes of the
         stashed cancels that have not reached their request, by request id."""
+        running = self._read_stashes(pipe)
+        replies = await pipe.execute()
+        return self._causes(running, replies[len(replies) - len(running):])
+
+    def _read_stashes(self, pipe) -> list[str]:
+        """Add a GET of each running request's cancel stash to `pipe`; the requests, in that order."""
         running = list(self.running)
         for request_id in running:
             pipe.get(keys.cancelled_key(request_id))
-        replies = await pipe.execute()
-        return self._causes(running, replies[len(replies) - len(running):])
+        return running
 
     def _causes(self, running: list[str], stashes: list[bytes | None]) -> dict[str, str]:
         return {request_id: cause.decode() for request_id, cause in zip(running, stashes, strict=True)
@@ -109,9 +114,7 @@ class CancelFollower:
         second on its way, was lost), and the requests of a gateway whose presence channel had no
         subscriber at every beat for keys.GATEWAY_GONE_S (the gateway is gone). A beat that fails
         forgets what the last one found."""
-        running = list(self.running)
-        for request_id in running:
-            pipe.get(keys.cancelled_key(request_id))
+        running = self._read_stashes(pipe)
         channels = sorted({channel for request in self.running.values() if (channel := request.gateway_presence)})
         if channels:
             pipe.pubsub_numsub(*channels)

@@ -42,7 +42,8 @@ class ReplyRouter:
         self.stream = keys.reply_stream(gateway_id)
         # Held while this process lives (`hold_presence`); not on a cluster, whose nodes count a
         # channel's subscribers each for itself.
-        self.presence = "" if isinstance(redis, aioredis.RedisCluster) else keys.gateway_presence_channel(gateway_id)
+        self._presence = "" if isinstance(redis, aioredis.RedisCluster) else keys.gateway_presence_channel(gateway_id)
+        self._presence_held = False
         self.max_buffered = max_buffered  # envelopes waiting for one slow client
         self.on_overflow = on_overflow
         self._routes: dict[str, asyncio.Queue[ChunkEnvelope | None]] = {}
@@ -175,20 +176,28 @@ class ReplyRouter:
             if queue.empty():
                 queue.put_nowait(SILENCE)
 
+    @property
+    def presence(self) -> str:
+        """The presence channel this gateway holds now ("": none), for its requests to name
+        (`RequestEnvelope.gateway_presence`): one it could not subscribe to is not named, so no
+        worker takes the gateway for gone while it lives."""
+        return self._presence if self._presence_held else ""
+
     async def hold_presence(self) -> None:
         """Subscribe to this gateway's presence channel while it lives (nothing is published there):
         Redis drops the subscription the moment the process dies, and the workers running its
         requests, finding nobody there, stop them (worker/cancels.py). Subscribed again after Redis
         comes back."""
-        while self.presence and not self.stopping.is_set():
+        while self._presence and not self.stopping.is_set():
             pubsub = self.redis.pubsub()
             try:
-                await pubsub.subscribe(self.presence)
-                async for _message in pubsub.listen():  # only its subscription's confirmation comes
-                    pass
+                await pubsub.subscribe(self._presence)
+                async for message in pubsub.listen():  # only its subscription's confirmations come
+                    self._presence_held = self._presence_held or message.get("type") == "subscribe"
             except RedisError as exc:
                 log.warning("gateway presence channel lost: %s; subscribing again", exc)
             finally:
+                self._presence_held = False
                 try:
                     await pubsub.aclose()
                 except (RedisError, OSError):
