@@ -115,7 +115,7 @@ class CancelFollower:
         subscriber at every beat for keys.GATEWAY_GONE_S (the gateway is gone). A beat that fails
         forgets what the last one found."""
         running = self._read_stashes(pipe)
-        channels = sorted({channel for request in self.running.values() if (channel := request.gateway_presence)})
+        channels = list({channel for request in self.running.values() if (channel := request.gateway_presence)})
         if channels:
             pipe.pubsub_numsub(*channels)
         try:

@@ -187,7 +187,9 @@ class ReplyRouter:
         """Subscribe to this gateway's presence channel while it lives (nothing is published there):
         Redis drops the subscription the moment the process dies, and the workers running its
         requests, finding nobody there, stop them (worker/cancels.py). Subscribed again after Redis
-        comes back."""
+        comes back: at once after a subscription that held, else after a wait that doubles up to 5 s
+        (a subscription refused, as by an ACL without the channel, is not retried twice a second)."""
+        delay = 0.5
         while self._presence and not self.stopping.is_set():
             pubsub = self.redis.pubsub()
             try:
@@ -195,14 +197,15 @@ class ReplyRouter:
                 async for message in pubsub.listen():  # only its subscription's confirmations come
                     self._presence_held = self._presence_held or message.get("type") == "subscribe"
             except RedisError as exc:
-                log.warning("gateway presence channel lost: %s; subscribing again", exc)
+                log.warning("gateway presence channel lost: %s; subscribing again in %.1fs", exc, delay)
             finally:
+                delay = 0.5 if self._presence_held else min(delay * 2, 5.0)
                 self._presence_held = False
                 try:
                     await pubsub.aclose()
                 except (RedisError, OSError):
                     pass
-            await pause(self.stopping, 0.5)
+            await pause(self.stopping, delay)
 
     async def keep_alive(self) -> None:
         """Refresh the reply stream's TTL while this gateway lives."""

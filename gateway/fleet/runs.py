@@ -520,7 +520,7 @@ class Fleet:
             run.ending = self.spawn(self._unregister(run) if run.cancel_reason is not None else self._finish(run))
         return run.ending
 
-    def _ready_takeover(self, run: Run, state: Continuation | None, taken: bool = False) -> None:
+    def _ready_takeover(self, run: Run, state: Continuation | None, taken: bool) -> None:
         """Ready a stream whose worker is gone for another worker to take over: keep what its client
         was sent (`state`, for a continuation), take the gone worker's lease back, then name the
         request's entry on the model's takeover doorbell, where a worker with room claims it at once
