@@ -141,7 +141,8 @@ class RequestEnvelope(Envelope):
     tenant: str = ""
     priority: Priority = "normal"
     session_id: str = ""  # the session (gateway.sessions) whose turn this is; a cancel by it stops the turn
-    api: str = ""  # the API of the body where a kind has several ("cohere": an embed from /v2/embed); "": the kind's own
+    # The API of the body where a kind has several ("cohere": an embed from /v2/embed); "": the kind's own.
+    api: str = ""
     # The channel its gateway subscribes to while it lives (keys.gateway_presence_channel): a worker
     # stops a request whose gateway has gone (worker/cancels.py). "": none held (a cluster's nodes count
     # a channel's subscribers each for itself), or a gateway from before it.

@@ -83,7 +83,8 @@ class Run:
     says the caller is done with it (the reason is the cancel's cause if it has not ended); the
     owner does the rest when its `async with` ends, or earlier when asked (`Fleet.end`)."""
 
-    def __init__(self, envelope: RequestEnvelope, replies: asyncio.Queue[ChunkEnvelope | None], registry: WorkerRegistry,
+    def __init__(self, envelope: RequestEnvelope, replies: asyncio.Queue[ChunkEnvelope | None],
+                 registry: WorkerRegistry,
                  ready_takeover: Callable[[Run, Continuation | None, bool], object] | None = None):
         self.envelope = envelope
         self.request_id = envelope.request_id
