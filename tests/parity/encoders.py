@@ -111,6 +111,8 @@ def cases() -> list[Case]:
     invalid = [
         Case("embed nothing", "/v1/embeddings", {"input": []}),
         Case("embed too long", "/v1/embeddings", {"input": TOO_LONG}),
+        # Past the context in fewer characters than a worker renders on its loop (a token a character).
+        Case("embed too long, a short text", "/v1/embeddings", {"input": "!" * (MAX_MODEL_LEN + 50)}),
         Case("embed a number", "/v1/embeddings", {"input": 42}),
         Case("embed mixed types", "/v1/embeddings", {"input": ["a", 1]}),
         Case("embed no input", "/v1/embeddings", {}),

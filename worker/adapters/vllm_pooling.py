@@ -36,6 +36,7 @@ others stops waiting; their call is cancelled when every one of them has.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -56,10 +57,12 @@ from vllm.entrypoints.pooling.pooling.protocol import PoolingRequest
 from vllm.entrypoints.pooling.pooling.serving import ServingPooling
 from vllm.entrypoints.pooling.scoring.protocol import RerankRequest, ScoreRequest
 from vllm.entrypoints.pooling.scoring.serving import ServingScores
-from vllm.entrypoints.pooling.typing import PoolingServeContext
+from vllm.entrypoints.pooling.typing import EncodeCMPLRenderParams, PoolingServeContext
 from vllm.entrypoints.pooling.utils import enable_scoring_api, get_pooling_usage
 from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 from vllm.entrypoints.serve.tokenize.serving import ServingTokenization
+from vllm.exceptions import GenerationError, RetryableRequestError
+from vllm.renderers.inputs.preprocess import parse_model_prompt
 from vllm.renderers.chat_utils import ChatTemplateConfig
 from vllm.renderers.online_renderer import OnlineRenderer
 from vllm.tasks import POOLING_TASKS
@@ -90,6 +93,11 @@ _PER_REQUEST = frozenset({"input", "encoding_format", "user", "request_id"})
 
 # A request of at most this many outputs is post-processed on the loop, not on vLLM's thread (`_InContext`).
 _HERE_UP_TO_OUTPUTS = 16
+
+# A plain embedding (`_PlainEmbedding`): the body's fields, besides how the gateway writes the vectors and
+# the client's tag, are the model and one text, of at most this many characters (rendered on the loop).
+_PLAIN_FIELDS = frozenset({"model", "input", "encoding_format", "embed_dtype", "endianness", "user"})
+_PLAIN_TEXT_CHARS = 4096
 
 
 def _merge_key(request: RequestEnvelope) -> tuple[str, bytes] | None:
@@ -244,6 +252,58 @@ class _Embedding(_InContext, ServingEmbedding):
     pass
 
 
+class _PlainEmbedding:
+    """vLLM's embedding handler's own steps for the commonest request: one text, no options.
+
+    For one input the handler costs about as much of the worker's CPU as the engine's client does:
+    it validates the body with vLLM's request model, builds its context, renders on its renderer's
+    thread and reads its engine's outputs through a merging iterator (docs/benchmarks.md,
+    "Fourteenth pass"). For a body of one text and no options, every step's outcome but the text's
+    is fixed: the tokenizer's and the pooling parameters are the handler's own, built once from a
+    body of vLLM's request model. The text is rendered by the handler's io processor (vLLM's
+    renderer), encoded by the engine under the handler's request id and counted by vLLM's usage.
+    Whatever this path cannot answer (an input past the context, an engine error) goes through the
+    whole handler, for vLLM's own answer."""
+
+    __slots__ = ("handler", "tok_params", "params")
+
+    def __init__(self, handler: _Embedding, served_model_name: str):
+        template = _REQUESTS["embed"].validate_python({"model": served_model_name, "input": "-"})
+        self.handler = handler
+        self.tok_params = template.build_tok_params(handler.model_config)
+        # The engine's input processor clones its request's params: one verified set serves every request.
+        self.params = handler.io_processor.create_pooling_params(template)
+        self.params.verify(handler.model_config)
+
+    @staticmethod
+    def text(request: RequestEnvelope) -> str | None:
+        """The one text of a plain embedding's body; None for any other request."""
+        body = request.body
+        if request.kind != "embed" or request.api or not body.keys() <= _PLAIN_FIELDS:
+            return None
+        text = body.get("input")
+        if isinstance(text, list) and len(text) == 1:
+            text = text[0]
+        return text if isinstance(text, str) and 0 < len(text) <= _PLAIN_TEXT_CHARS else None
+
+    async def __call__(self, request_id: str, text: str) -> tuple[list[Pooled], int]:
+        handler = self.handler
+        engine_input = handler.io_processor.render(EncodeCMPLRenderParams(
+            prompts=parse_model_prompt(handler.model_config, text), tok_params=self.tok_params, prompt_extras={},
+            skip_mm_cache=False, params=self.params, lora_requests=None, priorities=0))
+        output = None
+        outputs = handler.engine_client.encode(request_id=f"{handler.request_id_prefix}-{request_id}-0",
+                                               prompt=engine_input["prompts"], pooling_params=self.params)
+        async with contextlib.aclosing(outputs):
+            async for output in outputs:
+                pass
+        if output is None:
+            raise ValueError("Failed to generate results for all prompts")
+        if output.error is not None:  # as the handler reads an engine's error
+            raise (RetryableRequestError if output.error.retryable else GenerationError)(output.error.message)
+        return [_pooled(output.outputs.data)], get_pooling_usage([output]).prompt_tokens
+
+
 class _Scores(_InContext, ServingScores):
     pass
 
@@ -272,6 +332,7 @@ class VLLMPoolingAdapter(AsyncLLMLifetime, EncoderAdapter, TokenizerAdapter):
         self._handlers: dict[str, Any] = {}
         self._outputs: dict[str, Callable[[PoolingServeContext], tuple[list[Pooled], int]]] = {}
         self._gathering: dict[tuple[str, bytes], _Merged] = {}  # requests to encode together, this loop turn
+        self._plain: _PlainEmbedding | None = None
 
     async def start(self) -> None:
         """Build the engine, then `vllm serve`'s pooling handlers over it (as `init_pooling_state` does)."""
@@ -284,7 +345,10 @@ class VLLMPoolingAdapter(AsyncLLMLifetime, EncoderAdapter, TokenizerAdapter):
         options = {"request_logger": None, "chat_template_config": template}
         task = config.get_pooling_task(tasks)
         if task == "embed":
-            self._serve("embed", _Embedding(engine, models, **options), _vectors)
+            embedding = _Embedding(engine, models, **options)
+            self._serve("embed", embedding, _vectors)
+            if not embedding.io_processor.enable_chunked_processing:  # a long input is split, by the handler
+                self._plain = _PlainEmbedding(embedding, self.served_model_name)
         if task == "classify":
             labels = getattr(config.hf_config, "id2label", {}) or {}
             self._serve("classify", _Classification(engine, models, **options), lambda ctx: _classes(ctx, labels))
@@ -388,8 +452,16 @@ class VLLMPoolingAdapter(AsyncLLMLifetime, EncoderAdapter, TokenizerAdapter):
         return answers
 
     async def _encode(self, request: RequestEnvelope) -> GenerationChunk:
-        """`vllm serve`'s handler of the request's kind on this request alone."""
+        """`vllm serve`'s handler of the request's kind on this request alone (its own steps for a
+        plain embedding, `_PlainEmbedding`)."""
         metrics.ENCODE_CALL_REQUESTS.labels(self.served_model_name, request.kind).observe(1)
+        if self._plain is not None and (text := self._plain.text(request)) is not None:
+            try:
+                pooled, tokens = await self._plain(request.request_id, text)
+                return GenerationChunk(done=True, finish_reason="stop", pooled=pooled,
+                                       usage=Usage(prompt_tokens=tokens))
+            except Exception:  # noqa: BLE001 - the whole handler answers it, as vllm serve does
+                pass
         try:
             model = _OTHER_APIS[request.kind, request.api] if request.api else _REQUESTS[request.kind]
             body = model.validate_python({**request.body, "request_id": request.request_id})
