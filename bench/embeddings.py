@@ -17,7 +17,10 @@ Two parts, each on fresh processes:
 - **vllm-split** (not run by default): the large request on one real vLLM encoder worker, then
   two, for the record (two CPU engines share this machine's two cores).
 
-    python -m bench.embeddings [--quick] [--rounds N] [--only vllm,scripted,vllm-split]
+    python -m bench.embeddings [--quick] [--rounds N] [--only vllm,scripted,vllm-split] [--before REF]
+
+`--before REF` runs llmfleet as of that git revision beside this tree's, in the same rounds (each
+round in another order), with each one's CPU per input of worker, gateway and Redis.
 
 Writes bench/results/embeddings.json and .png, prints a markdown table.
 """
@@ -38,7 +41,17 @@ import httpx
 import orjson
 import uvloop
 
-from bench.common import ENGINE_ARGS, ENGINE_ENV, RESULTS, cpu_seconds, percentile, plot_bars, progress, save
+from bench.common import (
+    ENGINE_ARGS,
+    ENGINE_ENV,
+    RESULTS,
+    cpu_seconds,
+    percentile,
+    plot_bars,
+    progress,
+    save,
+    source_tree,
+)
 from bench.loadgen import Target
 from tests.procs import (
     free_port,
@@ -113,54 +126,75 @@ def _median(runs: list[dict]) -> dict:
     return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
 
 
+def _fleet(model_dir: Path, procs: list, source: str | None = None) -> tuple[str, dict[str, int]]:
+    """Redis, one vLLM encoder worker and a gateway (from `source`, a tree of an older commit, if
+    given), their processes added to `procs`: the gateway's URL and the pids to read CPU from."""
+    env = {"PYTHONSAFEPATH": "1", "PYTHONPATH": source} if source else {}
+    redis = start_redis()
+    procs.append(redis)
+    worker = start_worker(redis.url, str(model_dir), *ENGINE_ARGS, *POOLING, engine="vllm", served_name=MODEL,
+                          env={**ENGINE_ENV, **env}, timeout=300)
+    procs.append(worker)
+    gateway = start_gateway(redis.url, env=env or None)
+    procs.append(gateway)
+    wait_until_served(gateway, MODEL, timeout=60)
+    return gateway.url, {"gateway": gateway.pid, "worker": worker.pid, "redis": redis.pid}
+
+
 @contextlib.contextmanager
-def vllm_servers(model_dir: Path):
-    """{"vllm serve": url, "llmfleet": url} and llmfleet's gateway pid, every process stopped on exit."""
+def vllm_servers(model_dir: Path, before: str | None = None):
+    """{"vllm serve": url, "llmfleet": url[, "llmfleet at REF": url]} and the pids of each llmfleet's
+    gateway, worker and Redis; every process stopped on exit."""
     procs = []
     try:
-        port = free_port()
-        serve = spawn("vllm-serve-embed", [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-                                           str(model_dir), "--served-model-name", MODEL, "--host", "127.0.0.1",
-                                           "--port", str(port), *ENGINE_ARGS, *POOLING], ENGINE_ENV)
-        serve.url = f"http://127.0.0.1:{port}"
-        procs.append(serve)
-        redis = start_redis()
-        procs.append(redis)
-        procs.append(start_worker(redis.url, str(model_dir), *ENGINE_ARGS, *POOLING, engine="vllm", served_name=MODEL,
-                                  env=ENGINE_ENV, timeout=300))
-        gateway = start_gateway(redis.url)
-        procs.append(gateway)
-        wait_until_served(gateway, MODEL, timeout=60)
-        wait_until_answers(serve, "/health", 300)
-        yield {"vllm serve": serve.url, "llmfleet": gateway.url}, gateway.pid
+        with contextlib.ExitStack() as trees:
+            port = free_port()
+            serve = spawn("vllm-serve-embed", [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+                                               str(model_dir), "--served-model-name", MODEL, "--host", "127.0.0.1",
+                                               "--port", str(port), *ENGINE_ARGS, *POOLING], ENGINE_ENV)
+            serve.url = f"http://127.0.0.1:{port}"
+            procs.append(serve)
+            urls, pids = {"vllm serve": serve.url}, {}
+            urls["llmfleet"], pids["llmfleet"] = _fleet(model_dir, procs)
+            if before:
+                name = f"llmfleet at {before}"
+                urls[name], pids[name] = _fleet(model_dir, procs, trees.enter_context(source_tree(before)))
+            wait_until_answers(serve, "/health", 300)
+            yield urls, pids
     finally:
         for proc in reversed(procs):
             proc.stop(timeout=60)
 
 
-def run_vllm(quick: bool, rounds: int, use_httpx: bool = False) -> list[dict]:
+def run_vllm(quick: bool, rounds: int, use_httpx: bool = False, before: str | None = None) -> list[dict]:
     from worker.tiny_model import write_tiny_model
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         sys.stderr.write("starting vllm serve and llmfleet's encoder worker on the tiny model (about a minute)...\n")
-        with vllm_servers(write_tiny_model(Path(tmp) / "tiny")) as (urls, gateway_pid):
-            for url in urls.values():  # warm both engines up
+        with vllm_servers(write_tiny_model(Path(tmp) / "tiny"), before) as (urls, pids):
+            for url in urls.values():  # warm the engines up
                 uvloop.run(measure(url, {"inputs": 8, "concurrency": 4, "requests": 8}, 0))
             cases = workloads(quick)
+            names = list(urls)
             for done, workload in enumerate(cases, 1):
                 runs: dict[str, list[dict]] = {name: [] for name in urls}
-                gateway_cpu = 0.0
-                for round_ in range(rounds):  # back to back, alternating: drift hits both alike
-                    for name, url in urls.items():
-                        before = cpu_seconds(gateway_pid)
-                        runs[name].append(uvloop.run(measure(url, workload, round_, use_httpx)))
-                        if name == "llmfleet":
-                            gateway_cpu += cpu_seconds(gateway_pid) - before
+                cpu = {name: dict.fromkeys(processes, 0.0) for name, processes in pids.items()}
+                for round_ in range(rounds):  # back to back, each round in another order: drift hits all alike
+                    for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+                        before_cpu = {process: cpu_seconds(pid) for process, pid in pids.get(name, {}).items()}
+                        runs[name].append(uvloop.run(measure(urls[name], workload, round_, use_httpx)))
+                        for process, pid in pids.get(name, {}).items():
+                            cpu[name][process] += cpu_seconds(pid) - before_cpu[process]
                 inputs = rounds * workload["requests"] * workload["inputs"]
                 row = {**workload, **{name: _median(results) for name, results in runs.items()},
-                       "gateway_cpu_us_per_input": gateway_cpu / inputs * 1e6}
-                row["ratio"] = row["llmfleet"]["inputs_per_s"] / row["vllm serve"]["inputs_per_s"]
+                       "cpu_us_per_input": {name: {process: seconds / inputs * 1e6 for process, seconds in used.items()}
+                                            for name, used in cpu.items()}}
+                row["gateway_cpu_us_per_input"] = row["cpu_us_per_input"]["llmfleet"]["gateway"]
+                for name in urls:
+                    if name.startswith("llmfleet"):
+                        row[f"ratio {name}"] = row[name]["inputs_per_s"] / row["vllm serve"]["inputs_per_s"]
+                row["ratio"] = row["ratio llmfleet"]
                 rows.append(row)
                 progress("embeddings (vllm)", done, len(cases))
     return rows
@@ -245,6 +279,16 @@ def table(result: dict) -> str:
                          f"{ours['inputs_per_s']:.0f} | {row['ratio']:.2f}x | {theirs['p50_ms']:.0f} / "
                          f"{ours['p50_ms']:.0f} | {theirs['p99_ms']:.0f} / {ours['p99_ms']:.0f} | "
                          f"{row['gateway_cpu_us_per_input']:.0f} |")
+        if before := next((name for name in result["vllm"][0] if name.startswith("llmfleet at ")), None):
+            lines += ["", f"Against {before}, in the same rounds (CPU µs per input: worker / gateway / Redis):", "",
+                      f"| inputs/request | clients | llmfleet inputs/s | {before} inputs/s | ratio to vllm serve "
+                      f"(llmfleet / {before}) | llmfleet CPU | {before} CPU |", "|---|---|---|---|---|---|---|"]
+            for row in result["vllm"]:
+                cpu = {name: " / ".join(f"{row['cpu_us_per_input'][name][process]:.0f}"
+                                        for process in ("worker", "gateway", "redis")) for name in ("llmfleet", before)}
+                lines.append(f"| {row['inputs']} | {row['concurrency']} | {row['llmfleet']['inputs_per_s']:.0f} | "
+                             f"{row[before]['inputs_per_s']:.0f} | {row['ratio']:.2f}x / {row['ratio ' + before]:.2f}x "
+                             f"| {cpu['llmfleet']} | {cpu[before]} |")
     if scripted := result.get("scripted"):
         lines += ["", f"Scripted encoder, {scripted['seconds_per_input'] * 1000:g} ms per input, "
                       f"{scripted['concurrency']} clients of {scripted['inputs']} inputs: "
@@ -276,7 +320,7 @@ def section(result: dict) -> list[str]:
 def plot(result: dict) -> None:
     if not result.get("vllm"):
         return
-    names = ["vllm serve", "llmfleet"]
+    names = [name for name in result["vllm"][0] if name == "vllm serve" or name.startswith("llmfleet")]
     panels = {f"inputs/s, {row['inputs']} in x {row['concurrency']} clients": [row[name]["inputs_per_s"]
                                                                               for name in names]
               for row in result["vllm"]}
@@ -288,13 +332,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="a smoke run: fewer workloads and requests")
     parser.add_argument("--rounds", type=int, default=3, help="measurements of each workload (the median is kept)")
     parser.add_argument("--only", default="vllm,scripted", help="the parts to run: vllm, scripted, vllm-split")
+    parser.add_argument("--before", metavar="REF",
+                        help="the vllm part also runs llmfleet as of this git revision, in the same rounds")
     parser.add_argument("--httpx", action="store_true",
                         help="the vllm part's clients on httpx instead of the lean load generator (to compare)")
     args = parser.parse_args(argv)
     parts = set(args.only.split(","))
     result = {"measured_at": time.strftime("%Y-%m-%d %H:%M"), "rounds": args.rounds,
               "client": "httpx" if args.httpx else "lean",
-              "vllm": run_vllm(args.quick, args.rounds, args.httpx) if "vllm" in parts else [],
+              "vllm": run_vllm(args.quick, args.rounds, args.httpx, args.before) if "vllm" in parts else [],
               "scripted": run_scripted(args.quick, args.rounds) if "scripted" in parts else None,
               "vllm_split": run_vllm_split(args.quick, args.rounds) if "vllm-split" in parts else None}
     return save("embeddings", result, plot, table)
