@@ -5,9 +5,10 @@ Two parts, each on fresh processes:
 - **vllm**: the tiny model as an embedding model (`--runner pooling --convert embed`, the engine
   options of every benchmark) behind `vllm serve`, and behind llmfleet (Redis, a gateway, one
   vLLM encoder worker), both up at once and measured workload by workload, back to back, each
-  workload `--rounds` times (the median is kept): inputs per second, request latency p50 and
-  p99, and the gateway's CPU per input (llmfleet's cost beside the engine). Workloads: 1 and 64
-  inputs per request, 1 to 64 concurrent clients.
+  workload `--rounds` times on each of `--starts` sets of fresh processes (vllm serve started
+  first, then last: a server started later answers faster here; the median of all is kept):
+  inputs per second, request latency p50 and p99, and the gateway's CPU per input (llmfleet's
+  cost beside the engine). Workloads: 1 and 64 inputs per request, 1 to 64 concurrent clients.
 - **scripted**: how the fleet spreads work over its workers, with the scripted encoder given a
   fixed cost per input (`--scripted-seconds-per-input`): one worker, then two, the same load (two
   CPU engines would share this machine's two cores, which measures the machine). Two loads: many
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import random
 import statistics
@@ -142,23 +144,30 @@ def _fleet(model_dir: Path, procs: list, source: str | None = None) -> tuple[str
 
 
 @contextlib.contextmanager
-def vllm_servers(model_dir: Path, before: str | None = None):
+def vllm_servers(model_dir: Path, before: str | None = None, fleet_first: bool = False):
     """{"vllm serve": url, "llmfleet": url[, "llmfleet at REF": url]} and the pids of each llmfleet's
-    gateway, worker and Redis; every process stopped on exit."""
+    gateway, worker and Redis; every process stopped on exit. vllm serve starts first, or last."""
     procs = []
     try:
         with contextlib.ExitStack() as trees:
+            urls, pids = {}, {}
+
+            def fleets() -> None:
+                urls["llmfleet"], pids["llmfleet"] = _fleet(model_dir, procs)
+                if before:
+                    name = f"llmfleet at {before}"
+                    urls[name], pids[name] = _fleet(model_dir, procs, trees.enter_context(source_tree(before)))
+
+            if fleet_first:
+                fleets()
             port = free_port()
             serve = spawn("vllm-serve-embed", [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
                                                str(model_dir), "--served-model-name", MODEL, "--host", "127.0.0.1",
                                                "--port", str(port), *ENGINE_ARGS, *POOLING], ENGINE_ENV)
-            serve.url = f"http://127.0.0.1:{port}"
+            serve.url = urls["vllm serve"] = f"http://127.0.0.1:{port}"
             procs.append(serve)
-            urls, pids = {"vllm serve": serve.url}, {}
-            urls["llmfleet"], pids["llmfleet"] = _fleet(model_dir, procs)
-            if before:
-                name = f"llmfleet at {before}"
-                urls[name], pids[name] = _fleet(model_dir, procs, trees.enter_context(source_tree(before)))
+            if not fleet_first:
+                fleets()
             wait_until_answers(serve, "/health", 300)
             yield urls, pids
     finally:
@@ -166,37 +175,47 @@ def vllm_servers(model_dir: Path, before: str | None = None):
             proc.stop(timeout=60)
 
 
-def run_vllm(quick: bool, rounds: int, use_httpx: bool = False, before: str | None = None) -> list[dict]:
+def run_vllm(quick: bool, rounds: int, use_httpx: bool = False, before: str | None = None,
+             starts: int = 2) -> list[dict]:
+    """Every workload on every server, `rounds` times on each of `starts` sets of processes: the
+    first with vllm serve started before llmfleet, the next after it, and so on. On this machine a
+    server started later answered faster than the same server started before it (docs/benchmarks.md,
+    "Fourteenth pass"), so each side goes last as often as first; medians of all the rounds."""
     from worker.tiny_model import write_tiny_model
 
-    rows = []
+    cases = workloads(quick)
+    runs: list[dict[str, list[dict]]] = [collections.defaultdict(list) for _ in cases]
+    cpu: list[dict[str, dict[str, float]]] = [collections.defaultdict(lambda: collections.defaultdict(float))
+                                              for _ in cases]
     with tempfile.TemporaryDirectory() as tmp:
-        sys.stderr.write("starting vllm serve and llmfleet's encoder worker on the tiny model (about a minute)...\n")
-        with vllm_servers(write_tiny_model(Path(tmp) / "tiny"), before) as (urls, pids):
-            for url in urls.values():  # warm the engines up
-                uvloop.run(measure(url, {"inputs": 8, "concurrency": 4, "requests": 8}, 0))
-            cases = workloads(quick)
-            names = list(urls)
-            for done, workload in enumerate(cases, 1):
-                runs: dict[str, list[dict]] = {name: [] for name in urls}
-                cpu = {name: dict.fromkeys(processes, 0.0) for name, processes in pids.items()}
-                for round_ in range(rounds):  # back to back, each round in another order: drift hits all alike
-                    for name in names[round_ % len(names):] + names[:round_ % len(names)]:
-                        before_cpu = {process: cpu_seconds(pid) for process, pid in pids.get(name, {}).items()}
-                        runs[name].append(uvloop.run(measure(urls[name], workload, round_, use_httpx)))
-                        for process, pid in pids.get(name, {}).items():
-                            cpu[name][process] += cpu_seconds(pid) - before_cpu[process]
-                inputs = rounds * workload["requests"] * workload["inputs"]
-                row = {**workload, **{name: _median(results) for name, results in runs.items()},
-                       "cpu_us_per_input": {name: {process: seconds / inputs * 1e6 for process, seconds in used.items()}
-                                            for name, used in cpu.items()}}
-                row["gateway_cpu_us_per_input"] = row["cpu_us_per_input"]["llmfleet"]["gateway"]
-                for name in urls:
-                    if name.startswith("llmfleet"):
-                        row[f"ratio {name}"] = row[name]["inputs_per_s"] / row["vllm serve"]["inputs_per_s"]
-                row["ratio"] = row["ratio llmfleet"]
-                rows.append(row)
-                progress("embeddings (vllm)", done, len(cases))
+        model_dir = write_tiny_model(Path(tmp) / "tiny")
+        for start in range(starts):
+            first = "llmfleet" if start % 2 else "vllm serve"
+            sys.stderr.write(f"starting vllm serve and llmfleet on the tiny model, {first} first (about a minute)...\n")
+            with vllm_servers(model_dir, before, fleet_first=start % 2 == 1) as (urls, pids):
+                for url in urls.values():  # warm the engines up
+                    uvloop.run(measure(url, {"inputs": 8, "concurrency": 4, "requests": 8}, 0))
+                names = sorted(urls)
+                for index, workload in enumerate(cases):
+                    for round_ in range(rounds):  # back to back, each round in another order: drift hits all alike
+                        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+                            before_cpu = {process: cpu_seconds(pid) for process, pid in pids.get(name, {}).items()}
+                            runs[index][name].append(uvloop.run(measure(urls[name], workload, round_, use_httpx)))
+                            for process, pid in pids.get(name, {}).items():
+                                cpu[index][name][process] += cpu_seconds(pid) - before_cpu[process]
+                    progress("embeddings (vllm)", start * len(cases) + index + 1, starts * len(cases))
+    rows = []
+    for workload, results, used in zip(cases, runs, cpu, strict=True):
+        inputs = starts * rounds * workload["requests"] * workload["inputs"]
+        row = {**workload, **{name: _median(measured) for name, measured in results.items()},
+               "cpu_us_per_input": {name: {process: seconds / inputs * 1e6 for process, seconds in spent.items()}
+                                    for name, spent in used.items()}}
+        row["gateway_cpu_us_per_input"] = row["cpu_us_per_input"]["llmfleet"]["gateway"]
+        for name in results:
+            if name.startswith("llmfleet"):
+                row[f"ratio {name}"] = row[name]["inputs_per_s"] / row["vllm serve"]["inputs_per_s"]
+        row["ratio"] = row["ratio llmfleet"]
+        rows.append(row)
     return rows
 
 
@@ -332,15 +351,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="a smoke run: fewer workloads and requests")
     parser.add_argument("--rounds", type=int, default=3, help="measurements of each workload (the median is kept)")
     parser.add_argument("--only", default="vllm,scripted", help="the parts to run: vllm, scripted, vllm-split")
+    parser.add_argument("--starts", type=int, default=2,
+                        help="sets of fresh processes for the vllm part, vllm serve started first, then last")
     parser.add_argument("--before", metavar="REF",
                         help="the vllm part also runs llmfleet as of this git revision, in the same rounds")
     parser.add_argument("--httpx", action="store_true",
                         help="the vllm part's clients on httpx instead of the lean load generator (to compare)")
     args = parser.parse_args(argv)
     parts = set(args.only.split(","))
-    result = {"measured_at": time.strftime("%Y-%m-%d %H:%M"), "rounds": args.rounds,
+    result = {"measured_at": time.strftime("%Y-%m-%d %H:%M"), "rounds": args.rounds, "starts": args.starts,
               "client": "httpx" if args.httpx else "lean",
-              "vllm": run_vllm(args.quick, args.rounds, args.httpx, args.before) if "vllm" in parts else [],
+              "vllm": run_vllm(args.quick, args.rounds, args.httpx, args.before, args.starts) if "vllm" in parts
+              else [],
               "scripted": run_scripted(args.quick, args.rounds) if "scripted" in parts else None,
               "vllm_split": run_vllm_split(args.quick, args.rounds) if "vllm-split" in parts else None}
     return save("embeddings", result, plot, table)
