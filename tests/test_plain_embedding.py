@@ -27,7 +27,7 @@ def _envelope(body: dict, kind: str = "embed", api: str = "") -> RequestEnvelope
     # How the gateway writes the vectors, and the client's tag, do not change them.
     ({"input": "a", "encoding_format": "base64", "embed_dtype": "float16", "endianness": "little",
       "user": "someone"}, "a"),
-    ({"input": "!" * (MAX_MODEL_LEN + 50)}, "!" * (MAX_MODEL_LEN + 50)),  # refused by vLLM's render, then the handler
+    ({"input": "!" * (MAX_MODEL_LEN + 50)}, "!" * (MAX_MODEL_LEN + 50)),  # refused by vLLM's render, as by the handler
     ({"input": "x" * _PLAIN_TEXT_CHARS}, "x" * _PLAIN_TEXT_CHARS),
 ])
 def test_one_text_without_options_is_plain(body, text):

@@ -62,8 +62,8 @@ from vllm.entrypoints.pooling.utils import enable_scoring_api, get_pooling_usage
 from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 from vllm.entrypoints.serve.tokenize.serving import ServingTokenization
 from vllm.exceptions import GenerationError, RetryableRequestError
-from vllm.renderers.inputs.preprocess import parse_model_prompt
 from vllm.renderers.chat_utils import ChatTemplateConfig
+from vllm.renderers.inputs.preprocess import parse_model_prompt
 from vllm.renderers.online_renderer import OnlineRenderer
 from vllm.tasks import POOLING_TASKS
 from vllm.v1.engine.async_llm import AsyncLLM
@@ -262,8 +262,8 @@ class _PlainEmbedding:
     is fixed: the tokenizer's and the pooling parameters are the handler's own, built once from a
     body of vLLM's request model. The text is rendered by the handler's io processor (vLLM's
     renderer), encoded by the engine under the handler's request id and counted by vLLM's usage.
-    Whatever this path cannot answer (an input past the context, an engine error) goes through the
-    whole handler, for vLLM's own answer."""
+    Its errors are the handler's (an input past the context is refused by the same render) and are
+    answered alike."""
 
     __slots__ = ("handler", "tok_params", "params")
 
@@ -445,24 +445,17 @@ class VLLMPoolingAdapter(AsyncLLMLifetime, EncoderAdapter, TokenizerAdapter):
         metrics.ENCODE_CALL_REQUESTS.labels(self.served_model_name, first.kind).observe(len(requests))
         answers, at = [], 0
         for count in counts:
-            pooled, tokens = self._outputs[first.kind](_Part(ctx.final_res_batch[at:at + count]))
-            answers.append(GenerationChunk(done=True, finish_reason="stop", pooled=pooled,
-                                           usage=Usage(prompt_tokens=tokens)))
+            answers.append(_encoded(*self._outputs[first.kind](_Part(ctx.final_res_batch[at:at + count]))))
             at += count
         return answers
 
     async def _encode(self, request: RequestEnvelope) -> GenerationChunk:
         """`vllm serve`'s handler of the request's kind on this request alone (its own steps for a
-        plain embedding, `_PlainEmbedding`)."""
+        plain embedding, `_PlainEmbedding`, whose errors are the handler's own and answered alike)."""
         metrics.ENCODE_CALL_REQUESTS.labels(self.served_model_name, request.kind).observe(1)
-        if self._plain is not None and (text := self._plain.text(request)) is not None:
-            try:
-                pooled, tokens = await self._plain(request.request_id, text)
-                return GenerationChunk(done=True, finish_reason="stop", pooled=pooled,
-                                       usage=Usage(prompt_tokens=tokens))
-            except Exception:  # noqa: BLE001 - the whole handler answers it, as vllm serve does
-                pass
         try:
+            if self._plain is not None and (text := self._plain.text(request)) is not None:
+                return _encoded(*await self._plain(request.request_id, text))
             model = _OTHER_APIS[request.kind, request.api] if request.api else _REQUESTS[request.kind]
             body = model.validate_python({**request.body, "request_id": request.request_id})
             ctx = await self._handlers[request.kind](body)
@@ -470,12 +463,16 @@ class VLLMPoolingAdapter(AsyncLLMLifetime, EncoderAdapter, TokenizerAdapter):
             return _refusal(exc)
         if isinstance(ctx, ErrorResponse):
             return _error_chunk(ctx)
-        pooled, tokens = self._outputs[request.kind](ctx)
-        return GenerationChunk(done=True, finish_reason="stop", pooled=pooled, usage=Usage(prompt_tokens=tokens))
+        return _encoded(*self._outputs[request.kind](ctx))
 
     async def tokenize(self, request: RequestEnvelope) -> GenerationChunk:
         """`vllm serve`'s /tokenize or /detokenize, on this engine's tokenizer."""
         return await answer_tokenizer(self.tokenization, request)
+
+
+def _encoded(pooled: list[Pooled], prompt_tokens: int) -> GenerationChunk:
+    """An encoding's answer: its outputs and its inputs' tokens."""
+    return GenerationChunk(done=True, finish_reason="stop", pooled=pooled, usage=Usage(prompt_tokens=prompt_tokens))
 
 
 def _pooled(tensor: torch.Tensor, label: str | None = None) -> Pooled:
