@@ -21,7 +21,8 @@ Two parts, each on fresh processes:
     python -m bench.embeddings [--quick] [--rounds N] [--only vllm,scripted,vllm-split] [--before REF]
 
 `--before REF` runs llmfleet as of that git revision beside this tree's, in the same rounds (each
-round in another order), with each one's CPU per input of worker, gateway and Redis.
+round in another order, each set of processes started in another order), with each one's CPU per
+input of worker, gateway and Redis.
 
 Writes bench/results/embeddings.json and .png, prints a markdown table.
 """
@@ -146,17 +147,17 @@ def _fleet(model_dir: Path, procs: list, source: str | None = None) -> tuple[str
 @contextlib.contextmanager
 def vllm_servers(model_dir: Path, before: str | None = None, fleet_first: bool = False):
     """{"vllm serve": url, "llmfleet": url[, "llmfleet at REF": url]} and the pids of each llmfleet's
-    gateway, worker and Redis; every process stopped on exit. vllm serve starts first, or last."""
+    gateway, worker and Redis; every process stopped on exit. They start in that order, or in its reverse."""
     procs = []
     try:
         with contextlib.ExitStack() as trees:
             urls, pids = {}, {}
 
             def fleets() -> None:
-                urls["llmfleet"], pids["llmfleet"] = _fleet(model_dir, procs)
-                if before:
-                    name = f"llmfleet at {before}"
-                    urls[name], pids[name] = _fleet(model_dir, procs, trees.enter_context(source_tree(before)))
+                names = ["llmfleet"] + [f"llmfleet at {before}"] * bool(before)
+                for name in reversed(names) if fleet_first else names:  # the reverse order: theirs too
+                    source = None if name == "llmfleet" else trees.enter_context(source_tree(before))
+                    urls[name], pids[name] = _fleet(model_dir, procs, source)
 
             if fleet_first:
                 fleets()
@@ -178,9 +179,10 @@ def vllm_servers(model_dir: Path, before: str | None = None, fleet_first: bool =
 def run_vllm(quick: bool, rounds: int, use_httpx: bool = False, before: str | None = None,
              starts: int = 2) -> list[dict]:
     """Every workload on every server, `rounds` times on each of `starts` sets of processes: the
-    first with vllm serve started before llmfleet, the next after it, and so on. On this machine a
-    server started later answered faster than the same server started before it (docs/benchmarks.md,
-    "Fourteenth pass"), so each side goes last as often as first; medians of all the rounds."""
+    first started in the order vllm serve, llmfleet, llmfleet at REF, the next in its reverse, and
+    so on. On this machine a server started later answered faster than the same server started
+    before it (docs/benchmarks.md, "Fourteenth pass"), so each goes last as often as first; medians
+    of all the rounds."""
     from worker.tiny_model import write_tiny_model
 
     cases = workloads(quick)

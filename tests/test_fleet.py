@@ -24,7 +24,8 @@ def expected_text(words: str, max_tokens: int) -> str:
 async def test_100_concurrent_streams_through_two_gateways(scripted_fleet, redis_client):
     gateways, workers = scripted_fleet
     served_before = [metric_value(w.url, "llmfleet_worker_requests_total") for w in workers]
-    clients = [openai.AsyncOpenAI(base_url=f"{g.url}/v1", api_key="x", max_retries=0) for g in gateways]
+    # A minute for each call: a loaded CI machine (image builds beside this pass) stalls a connect past the SDK's 5 s.
+    clients = [openai.AsyncOpenAI(base_url=f"{g.url}/v1", api_key="x", max_retries=0, timeout=60) for g in gateways]
 
     async def one(i: int) -> tuple[str, str | None, int]:
         words = f"request {i} says hello"
