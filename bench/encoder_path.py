@@ -83,8 +83,7 @@ async def run(rounds: int, requests: int) -> dict:
                 raise RuntimeError("the encoder has no plain path for this model")
             checks = []
             for path in (None, plain):  # both answer alike: the same bytes, the same usage
-                await _measure(adapter, path, texts[:32], 4, "warm")
-                adapter._plain = path
+                await _measure(adapter, path, texts[:32], 4, "warm")  # and leaves `path` on
                 checks.append(await adapter.encode(RequestEnvelope(
                     request_id=f"check-{path is None}", model=MODEL, kind="embed", reply_to="-", arrival=time.time(),
                     body={"model": MODEL, "input": texts[0]})))
