@@ -86,17 +86,19 @@ _OTHER_APIS: dict[tuple[str, str], pydantic.TypeAdapter] = {
     ("embed", "cohere"): pydantic.TypeAdapter(CohereEmbedRequest)}
 
 
-# Kinds whose requests are encoded together (`_Merged`), and the body fields that may differ between them:
-# the outputs do not depend on them (the gateway writes the encoding; `user` is the client's tag).
+# Body fields the engine's outputs do not depend on: how the gateway writes the vectors, the client's tag.
+_NOT_ENCODED = frozenset({"encoding_format", "embed_dtype", "endianness", "user"})
+
+# Kinds whose requests are encoded together (`_Merged`), and the body fields that may differ between them.
 _MERGED_KINDS = ("embed", "classify", "pooling")
-_PER_REQUEST = frozenset({"input", "encoding_format", "user", "request_id"})
+_PER_REQUEST = _NOT_ENCODED | {"input", "request_id"}
 
 # A request of at most this many outputs is post-processed on the loop, not on vLLM's thread (`_InContext`).
 _HERE_UP_TO_OUTPUTS = 16
 
-# A plain embedding (`_PlainEmbedding`): the body's fields, besides how the gateway writes the vectors and
-# the client's tag, are the model and one text, of at most this many characters (rendered on the loop).
-_PLAIN_FIELDS = frozenset({"model", "input", "encoding_format", "embed_dtype", "endianness", "user"})
+# A plain embedding (`_PlainEmbedding`): its body's other fields are the model and one text, of at most this
+# many characters (rendered on the loop).
+_PLAIN_FIELDS = _NOT_ENCODED | {"model", "input"}
 _PLAIN_TEXT_CHARS = 4096
 
 
