@@ -3,8 +3,10 @@
 What users who outgrow one `vllm serve` put in front of it: vLLM's own `vllm-router` and SGLang's
 `sglang-router` (both Rust, both from PyPI, each installed on first use into a venv of its own
 under ~/.cache/llmfleet, so neither can disturb this project's dependencies; default options,
-one worker URL). Four servers, all up at once and measured back to back, alternating, so the
-machine's drift hits each alike:
+one worker URL). Four servers, all up at once and measured back to back, each round in another
+order, so the machine's drift hits each alike; the rounds are spread over `--starts` sets of fresh
+processes, `vllm serve` started first in one and llmfleet first in the next (a server started
+later answered faster here):
 
 - `vllm serve` alone: the baseline;
 - `vllm-router` in front of that same `vllm serve`;
@@ -21,7 +23,7 @@ row is its own process plus the `vllm serve` API server behind it. Beside the cl
 latency, its engine's (vLLM's own histogram, timed at each engine step, read off /metrics before and
 after each run): the client's tail less the engine's is what the path after the engine adds.
 
-    python -m bench.routers [--quick] [--rounds N] [--concurrency 1,8,32,64,128]
+    python -m bench.routers [--quick] [--rounds N] [--starts N] [--concurrency 1,8,32,64,128]
 
 Writes bench/results/routers.json and .png, prints a markdown table.
 """
@@ -29,6 +31,7 @@ Writes bench/results/routers.json and .png, prints a markdown table.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import statistics
@@ -91,15 +94,23 @@ def start_router(name: str, python: Path, upstream: str) -> Proc:
 class Servers(Backends):
     """vllm serve, the routers in front of it and llmfleet, all started; stopped on exit by PID."""
 
-    def start_all(self, model_dir: Path, env: dict) -> dict[str, str]:
-        sys.stderr.write("starting vllm serve and an llmfleet vLLM worker on the tiny model (about a minute)...\n")
+    def start_all(self, model_dir: Path, env: dict, fleet_first: bool = False) -> dict[str, str]:
+        """Every server's URL; llmfleet's engine starts after `vllm serve`'s, or with `fleet_first` before it
+        (a server started later answered faster here: docs/benchmarks.md, "Fourteenth pass")."""
+        first = "llmfleet" if fleet_first else "vllm serve"
+        sys.stderr.write(f"starting vllm serve and an llmfleet vLLM worker on the tiny model, {first} first "
+                         "(about a minute)...\n")
+        urls: dict[str, str] = {}
+        self.frontends, self.engine_metrics, self.skipped = {}, {}, {}
+        if fleet_first:
+            worker = self._start_llmfleet("llmfleet", model_dir, urls, engine_args=ENGINE_ITL)
         serve = self._own(start_vllm_serve(model_dir, env, *ENGINE_ITL))
-        urls = {"vllm serve": serve.url}
-        self.frontends = {"vllm serve": [serve.pid]}
-        worker = self._start_llmfleet("llmfleet", model_dir, urls, engine_args=ENGINE_ITL)
-        self.engine_metrics = {"vllm serve": serve.url, "llmfleet": worker.url}  # each server's engine's /metrics
+        urls["vllm serve"] = serve.url
+        self.frontends["vllm serve"] = [serve.pid]
+        if not fleet_first:
+            worker = self._start_llmfleet("llmfleet", model_dir, urls, engine_args=ENGINE_ITL)
+        self.engine_metrics.update({"vllm serve": serve.url, "llmfleet": worker.url})  # each engine's /metrics
         wait_until_answers(serve, "/v1/models", 600)
-        self.skipped = {}
         for name in ROUTERS:
             python = ensure_router(name)
             if isinstance(python, str):
@@ -117,57 +128,75 @@ class Servers(Backends):
         return urls
 
 
-def run(concurrencies: list[int], rounds: int) -> dict:
+def run(concurrencies: list[int], rounds: int, starts: int = 2) -> dict:
+    """`rounds` runs per server and concurrency, spread over `starts` sets of fresh processes: the first
+    with `vllm serve` started before llmfleet, the next after it, and so on; each round in another order
+    of the servers. The medians of all the runs are kept."""
     from worker.tiny_model import write_tiny_model
 
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="routers-") as scratch, vllm_cli_env() as env, Servers() as servers:
+    runs: dict[tuple[int, str], list[dict]] = collections.defaultdict(list)
+    cpu: dict[tuple[int, str], float] = collections.defaultdict(float)
+    cpu_call: dict[tuple[int, str], float] = collections.defaultdict(float)  # with the client's start (idle)
+    tokens: dict[tuple[int, str], int] = collections.defaultdict(int)
+    idle: dict[str, float] = {}
+    skipped: dict[str, str] = {}
+    done = 0
+    with tempfile.TemporaryDirectory(prefix="routers-") as scratch, vllm_cli_env() as env:
         model_dir = write_tiny_model(Path(scratch) / "tiny")
-        urls = servers.start_all(model_dir, env)
-        for url in urls.values():  # warm-up: first requests pay one-off costs (caches, connections)
-            bench_serve(url, model_dir, {"input": TOKENS, "output": 16, "concurrency": 4, "prompts": 8}, env,
-                        Path(scratch) / "warmup.json")
-        idle = _idle_cpu(servers.frontends)  # again at the end: the lower of the two is kept
-        steps, done = len(concurrencies) * rounds * len(urls), 0
-        for concurrency in concurrencies:
-            case = {"input": TOKENS, "output": TOKENS, "concurrency": concurrency, "prompts": max(16, 4 * concurrency)}
-            runs: dict[str, list[dict]] = {name: [] for name in urls}
-            cpu = dict.fromkeys(urls, 0.0)
-            cpu_call = dict.fromkeys(urls, 0.0)  # with the client's start, when the server only idles
-            tokens = dict.fromkeys(urls, 0)
-            for _ in range(rounds):  # alternating: drift hits every server alike
-                for name, url in urls.items():
-                    itl_before = engine_itl_buckets(servers.engine_metrics[name])
-                    result = bench_serve(url, model_dir, case, env, Path(scratch) / f"{done}.json",
-                                         watch=servers.frontends[name])
-                    itl = engine_itl_buckets(servers.engine_metrics[name], minus=itl_before)
-                    result["p50_engine_itl_ms"] = 1000 * histogram_quantile(itl, 0.50)
-                    result["p99_engine_itl_ms"] = 1000 * histogram_quantile(itl, 0.99)
-                    cpu[name] += result["watched_cpu_s"]
-                    cpu_call[name] += result["watched_cpu_s_call"]
-                    tokens[name] += result["completed"] * TOKENS
-                    # --ignore-eos: every request is exactly TOKENS long, whatever a proxy's stream reports.
-                    runs[name].append({**{m: result[m] for m in METRICS},
-                                       "output_throughput": result["completed"] * TOKENS / result["duration"],
-                                       "failed": result["failed"]})
-                    done += 1
-                    progress("routers (vllm bench serve runs)", done, steps)
-            for name in urls:
-                row = {"server": name, "concurrency": concurrency,
-                       **{m: statistics.median(r[m] for r in runs[name]) for m in METRICS},
-                       "failed": sum(r["failed"] for r in runs[name]),
-                       "cpu_ms_per_token": 1000 * cpu[name] / max(1, tokens[name]),
-                       "cpu_ms_per_token_call": 1000 * cpu_call[name] / max(1, tokens[name]),
-                       "idle_cpu_ms_per_s": idle[name]}
-                rows.append(row)
-        idle_at_end = _idle_cpu(servers.frontends)
-        for row in rows:  # an engine's own work after its start (or a neighbour's) can land in one window
-            row["idle_cpu_ms_per_s"] = min(row["idle_cpu_ms_per_s"], idle_at_end[row["server"]])
-        skipped = servers.skipped
+        for start in range(starts):
+            start_rounds = rounds // starts + (start < rounds % starts)
+            if not start_rounds:
+                continue
+            with Servers() as servers:
+                urls = servers.start_all(model_dir, env, fleet_first=start % 2 == 1)
+                skipped.update(servers.skipped)
+                for url in urls.values():  # warm-up: first requests pay one-off costs (caches, connections)
+                    bench_serve(url, model_dir, {"input": TOKENS, "output": 16, "concurrency": 4, "prompts": 8}, env,
+                                Path(scratch) / "warmup.json")
+                # Idle, after the warm-up and after the last benchmark: the lowest reading is kept (an engine's
+                # own work after its start, or a neighbour's, can land in one window).
+                _keep_lowest(idle, _idle_cpu(servers.frontends))
+                names = sorted(urls)
+                steps = len(concurrencies) * rounds * len(names)
+                for concurrency in concurrencies:
+                    case = {"input": TOKENS, "output": TOKENS, "concurrency": concurrency,
+                            "prompts": max(16, 4 * concurrency)}
+                    for round_ in range(start_rounds):  # back to back, each round in another order
+                        shift = (start + round_) % len(names)
+                        for name in names[shift:] + names[:shift]:
+                            itl_before = engine_itl_buckets(servers.engine_metrics[name])
+                            result = bench_serve(urls[name], model_dir, case, env, Path(scratch) / f"{done}.json",
+                                                 watch=servers.frontends[name])
+                            itl = engine_itl_buckets(servers.engine_metrics[name], minus=itl_before)
+                            result["p50_engine_itl_ms"] = 1000 * histogram_quantile(itl, 0.50)
+                            result["p99_engine_itl_ms"] = 1000 * histogram_quantile(itl, 0.99)
+                            key = (concurrency, name)
+                            cpu[key] += result["watched_cpu_s"]
+                            cpu_call[key] += result["watched_cpu_s_call"]
+                            tokens[key] += result["completed"] * TOKENS
+                            # --ignore-eos: every request is exactly TOKENS long, whatever a proxy's stream reports.
+                            runs[key].append({**{m: result[m] for m in METRICS},
+                                              "output_throughput": result["completed"] * TOKENS / result["duration"],
+                                              "failed": result["failed"]})
+                            done += 1
+                            progress("routers (vllm bench serve runs)", done, steps)
+                _keep_lowest(idle, _idle_cpu(servers.frontends))
+    order = ["vllm serve", *ROUTERS, "llmfleet"]
+    rows = [{"server": name, "concurrency": concurrency,
+             **{m: statistics.median(r[m] for r in runs[concurrency, name]) for m in METRICS},
+             "runs": len(runs[concurrency, name]), "failed": sum(r["failed"] for r in runs[concurrency, name]),
+             "cpu_ms_per_token": 1000 * cpu[concurrency, name] / max(1, tokens[concurrency, name]),
+             "cpu_ms_per_token_call": 1000 * cpu_call[concurrency, name] / max(1, tokens[concurrency, name]),
+             "idle_cpu_ms_per_s": idle[name]}
+            for concurrency in concurrencies for name in order if (concurrency, name) in runs]
     _add_ratios(rows)
     return {"measured_at": time.strftime("%Y-%m-%d %H:%M"), "engine_args": ENGINE_ARGS, "engine_env": ENGINE_ENV,
-            "rounds": rounds, "rows": rows, "skipped": skipped,
-            "routers": ROUTERS}
+            "rounds": rounds, "starts": starts, "rows": rows, "skipped": skipped, "routers": ROUTERS}
+
+
+def _keep_lowest(lowest: dict[str, float], reading: dict[str, float]) -> None:
+    for name, value in reading.items():
+        lowest[name] = min(value, lowest.get(name, value))
 
 
 def engine_itl_buckets(url: str, minus: list[tuple[float, float]] | None = None) -> list[tuple[float, float]]:
@@ -281,7 +310,8 @@ def section(result: dict) -> list[str]:
             (f"`python -m bench.routers`: `vllm bench serve` ({TOKENS} tokens in and out, `--ignore-eos`) against "
              f"`vllm serve` alone, {', '.join(result['routers'].values())} in front of it (default options), and "
              f"llmfleet (gateway, Redis, one vLLM worker), alternating, median of {result['rounds']} runs per server "
-             "and concurrency. CPU per token counts every process beside the engine core."), "", table(result), "",
+             f"and concurrency over {result.get('starts', 1)} sets of processes started in alternating orders. "
+             "CPU per token counts every process beside the engine core."), "", table(result), "",
             "![routers](routers.png)"]
 
 
@@ -299,9 +329,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="a smoke run: concurrency 8 and 64, 2 rounds")
     parser.add_argument("--rounds", type=int, default=5, help="runs per server and concurrency (the median is kept)")
     parser.add_argument("--concurrency", default="1,8,32,64,128", help="comma-separated concurrencies")
+    parser.add_argument("--starts", type=int, default=2,
+                        help="sets of fresh processes the rounds are spread over, started in alternating orders")
     args = parser.parse_args(argv)
     concurrencies = [8, 64] if args.quick else [int(c) for c in args.concurrency.split(",")]
-    return save("routers", run(concurrencies, 2 if args.quick else args.rounds), plot, table)
+    return save("routers", run(concurrencies, 2 if args.quick else args.rounds, args.starts), plot, table)
 
 
 if __name__ == "__main__":
