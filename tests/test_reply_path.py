@@ -196,6 +196,30 @@ async def test_the_silence_watch_sleeps_with_no_request_open_and_wakes_for_the_f
     await redis.aclose()
 
 
+async def test_a_first_output_queued_during_a_write_goes_out_next_without_a_pause(redis_url: str) -> None:
+    """A request's first output that comes while a write is on the wire goes out right after it,
+    not after the pause that follows a write (a minute here: a first output that waited would
+    not arrive)."""
+    redis = aioredis.Redis.from_url(redis_url)
+    gateway = uuid.uuid4().hex
+    router = ReplyRouter(redis, gateway)
+    streaming, newcomer = _request(gateway, True), _request(gateway, True)
+    queues = {r.request_id: router.open(r.request_id) for r in (streaming, newcomer)}
+    publisher = ReplyPublisher(redis, "w1", coalesce_s=60.0, per_stream_s=60.0, most_s=60.0)
+    async with reading(router), running(publisher):
+        publisher.publish(streaming, GenerationChunk(text="a", token_count=1))
+        while not publisher._in_flight[0]:  # the write of "a" is under way
+            await asyncio.sleep(0)
+        publisher.publish(newcomer, GenerationChunk(text="x", token_count=1))
+        first = await asyncio.wait_for(queues[streaming.request_id].get(), 5)
+        other = await asyncio.wait_for(queues[newcomer.request_id].get(), 5)
+    assert [(e.seq, [c.text for c in e.chunks]) for e in (first, other)] == [(0, ["a"]), (0, ["x"])]
+    for request in (streaming, newcomer):
+        await redis.delete(keys.streamed_key(request.request_id))
+    await redis.delete(keys.reply_stream(gateway))
+    await redis.aclose()
+
+
 def test_the_pause_between_writes_grows_with_the_requests_a_write_carried() -> None:
     publisher = ReplyPublisher(aioredis.Redis(), "w1", coalesce_s=0.002, per_stream_s=0.00075, most_s=0.006)
     assert [publisher.pause_s(n) for n in (0, 1, 2, 4, 8, 64)] == pytest.approx([0.002, 0.002, 0.002, 0.003, 0.006,

@@ -12,7 +12,10 @@ The pause grows with the load (`pause_s`): 0.75 ms for each request the last wri
 least 2 ms and at most 6 ms. A worker streaming to one client sends each engine step at once (a
 step takes longer than 2 ms); one streaming to eight merges about two steps into each write and
 each SSE event, for about a third less CPU per token beside the engine here, with at most 6 ms
-more between a client's events. A request's first output ends the pause: it never waits.
+more between a client's events. A request's first output ends the pause: it never waits. Only
+what is queued waits the pause out: a write with nothing after it sets no timer, so a worker
+serving one client at a time (an engine step, or an encoding, longer than the pause) wakes once
+per write, not twice.
 
 The terminal chunk of a request is written in the same pipeline as the XACK and XDEL of its
 request entry (on a Redis Cluster, in the pipeline before them), after every earlier chunk: the
@@ -112,6 +115,7 @@ class ReplyPublisher:
         self.per_stream_s = per_stream_s
         self.most_s = most_s
         self._hurry: asyncio.Future | None = None  # set to end the pause between writes early
+        self._urgent = False  # a first output is queued: no pause before the next write
         self._outboxes: dict[str, _Outbox] = {}
         self._seq: dict[str, int] = {}
         self._leases: dict[str, int] = {}  # request id -> fencing token of this worker's lease on it
@@ -229,16 +233,19 @@ class ReplyPublisher:
 
     async def run(self) -> None:
         # Whenever an outbox is queued, `_wake` is set or a flush is under way: no write waits for a stop.
+        next_write = 0.0  # the pause after a write ends here; only what is queued waits it out
         while not self._stopping.is_set() or self._outboxes:
             await self._wake.wait()
             self._wake.clear()
+            rest = next_write - time.monotonic()
+            if rest > 0 and not self._urgent and not self._stopping.is_set():
+                await self._pause(rest)
+            self._urgent = False
             started = time.monotonic()
             outboxes, self._outboxes = self._outboxes, {}
             if outboxes:
                 await self._flush(list(outboxes.values()))
-            rest = self.pause_s(sum(1 for outbox in outboxes.values() if outbox.chunks)) - (time.monotonic() - started)
-            if rest > 0 and not self._stopping.is_set():
-                await self._pause(rest)
+            next_write = started + self.pause_s(sum(1 for outbox in outboxes.values() if outbox.chunks))
         if self._direct is not None:
             await self._direct.close()
 
@@ -260,6 +267,8 @@ class ReplyPublisher:
             self._hurry = None
 
     def _end_pause(self) -> None:
+        """A first output is queued: what is queued goes out at once, in the pause or after the write under way."""
+        self._urgent = True
         if self._hurry is not None:
             _resolve(self._hurry)
 
@@ -271,7 +280,8 @@ class ReplyPublisher:
             seq = self._seq.get(outbox.request_id, 0)
             stream, entry_id = self._entries.get(outbox.request_id, ("", "")) if seq == 0 else ("", "")
             data = encode(ChunkEnvelope(outbox.request_id, seq, _coalesce(outbox.chunks), self.worker_id,
-                                        lease=outbox.lease, stream=stream, entry_id=entry_id))
+                                        lease=outbox.lease, stream=stream, entry_id=entry_id,
+                                        unregistered=self._ordered and outbox.ack is not None))
             entry = batches.get(outbox.reply_to) if outbox.batch else None
             if entry is None or entry.size + len(data) > BATCH_LIMIT_BYTES:
                 entry = _Entry(outbox.reply_to)
@@ -305,6 +315,8 @@ class ReplyPublisher:
         pipeline at once, so there the acknowledgements follow in a second one.
         """
         def add_entries(pipe) -> None:
+            if self._ordered and acks:  # ended: a cancel by id after its answer finds no run (`unregistered`)
+                pipe.delete(*(keys.run_key(request_id) for _stream, _entry_id, request_id, *_bindings in acks))
             for entry in entries:
                 pipe.xadd(entry.reply_to, entry.value(), maxlen=keys.REPLY_STREAM_MAXLEN, approximate=True,
                           nomkstream=True)
