@@ -396,6 +396,9 @@ class ChunkEnvelope(Envelope):
     # entry id a takeover claims when its gateway sees the worker gone (keys.takeover_doorbell).
     stream: str = ""
     entry_id: str = ""
+    # On the envelope that ends a request: its worker removed the request's registration at the
+    # gateways (`keys.run_key`, which cancels by id read) before writing it, so its gateway need not.
+    unregistered: bool = False
 
 
 class CancelNotice(Envelope):

@@ -39,7 +39,9 @@ part of the name. `<...>` is a placeholder.
 | llmfleet:worker:{workers}:<worker_id>| string  | TTL HEARTBEAT_TTL_S; one tag for all, so |
 |                                      |         | a gateway reads them with one MGET       |
 | llmfleet:run:{<request_id>}          | string  | TTL: the request's deadline (its gateway)|
-|                                      |         | ; its tenant, checked by a cancel by id  |
+|                                      |         | ; its tenant, checked by a cancel by id; |
+|                                      |         | removed with its answer by the worker    |
+|                                      |         | (one server), else by its gateway        |
 | llmfleet:cancelled:{<request_id>}    | string  | TTL CANCEL_MEMORY_TTL_S; consumed by the |
 |                                      |         | worker that claims the request           |
 | llmfleet:lease:{<request_id>}        | string  | TTL LEASE_TTL_S, renewed by the worker   |

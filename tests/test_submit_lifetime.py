@@ -18,10 +18,12 @@ import uuid
 
 import msgspec
 import pytest
+import redis.asyncio as aioredis
 
 from gateway.fleet.runs import Fleet
 from shared import keys, redis_pool
-from shared.envelopes import RequestEnvelope, SamplingOptions
+from shared.codec import encode
+from shared.envelopes import ChunkEnvelope, GenerationChunk, RequestEnvelope, SamplingOptions
 from tests.procs import in_process_fleet, start_redis, wait_for
 
 pytestmark = pytest.mark.integration
@@ -210,3 +212,59 @@ async def test_a_run_is_registered_and_queued_in_one_round_trip(redis_url, redis
     assert len(registered) == 1
     names = [command[0] for command in registered[0]]
     assert names.index("SET") < names.index("EVALSHA"), names
+
+
+async def _answered(redis_url: str, redis_client, answer) -> tuple[RequestEnvelope, list[list[tuple]], bool]:
+    """A run without cancel groups, answered by `answer(request, entry_id)` (a worker's terminal write):
+    the request, the gateway's batches, and whether its run read that the worker unregistered it."""
+    model = f"life-{uuid.uuid4().hex[:8]}"
+    request = msgspec.structs.replace(envelope(model), cancel_id=None)
+    async with in_process_fleet(redis_url) as fleet:
+        batches: list[list[tuple]] = []
+        sent = fleet.batched._round_trip
+
+        async def recorded(batch):
+            batches.append([args for args, _options, _future in batch])
+            return await sent(batch)
+
+        fleet.batched._round_trip = recorded
+        async with fleet.submit(request) as run:
+            assert redis_client.exists(keys.run_key(request.request_id))
+            [(entry_id, _fields)] = redis_client.xrange(keys.request_stream(model))
+            await answer(request, entry_id.decode())
+            chunks = [chunk async for chunk in run.chunks()]
+            assert chunks[-1].finish_reason == "stop"
+        await asyncio.wait_for(asyncio.gather(*fleet._tasks), 10)
+    return request, batches, run.unregistered
+
+
+async def test_a_run_its_worker_answered_is_unregistered_by_the_worker(redis_url, redis_client):
+    """A worker ends a run's registration (its `run:{id}` key, which a cancel by id reads) in the
+    write of its answer, ahead of it, and says so: the gateway sends nothing to unregister it."""
+    from tests.test_reply_path import running
+    from worker.publisher import ReplyPublisher
+
+    publisher = ReplyPublisher(aioredis.Redis.from_url(redis_url), "w1")
+
+    async def answer(request: RequestEnvelope, entry_id: str) -> None:
+        publisher.hold(request.request_id, 1, (keys.request_stream(request.model), entry_id))
+        async with running(publisher):
+            await publisher.finish(request, GenerationChunk(done=True, finish_reason="stop"),
+                                   (keys.request_stream(request.model), entry_id, request.request_id))
+
+    request, batches, unregistered = await _answered(redis_url, redis_client, answer)
+    assert unregistered and not redis_client.exists(keys.run_key(request.request_id))
+    assert not [command for batch in batches for command in batch if keys.run_key(request.request_id) in command[1:]
+                and command[0] != "SET"], batches
+
+
+async def test_a_run_an_older_worker_answered_is_unregistered_by_its_gateway(redis_url, redis_client):
+    """A worker of an older version leaves the key: its answer does not say it removed it, and the
+    gateway removes it, as before."""
+    async def answer(request: RequestEnvelope, _entry_id: str) -> None:
+        terminal = ChunkEnvelope(request.request_id, 0, [GenerationChunk(done=True, finish_reason="stop")], "old")
+        redis_client.xadd(request.reply_to, {keys.ENVELOPE_FIELD: encode(terminal)})
+
+    request, batches, unregistered = await _answered(redis_url, redis_client, answer)
+    assert not unregistered and not redis_client.exists(keys.run_key(request.request_id))
+    assert ["DEL", keys.run_key(request.request_id)] in [list(command) for batch in batches for command in batch]

@@ -20,7 +20,10 @@ keys of that group (one cluster slot), so there is no check-then-act window betw
 Tenants: a group's name holds its tenant, so one tenant's cancel_id never reaches, nor stashes
 an early cancel for, another's runs. A cancel by response id reads the run's key
 (`run:{request_id}`, which holds the tenant that made it) in the script that stashes the cancel:
-another tenant's id cancels nothing.
+another tenant's id cancels nothing. On one Redis server the worker that answers a run removes
+that key in the write of its answer, ahead of it (`ChunkEnvelope.unregistered`), which saves the
+gateway a round trip per request; otherwise (a cluster, an older worker, a run that did not end
+with its worker's answer) the gateway removes it once the run ends.
 
 A finished run leaves `FINISHED` in its groups (for at least as long as the run could have
 lasted), so a late cancel for it is a no-op instead of a stash that could hit a later run. A
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable
 
 from shared import keys
 from shared.codec import encode
@@ -112,13 +116,15 @@ class CancelRegistry:
         call, ahead of its request's queueing."""
         return self.redis.now("SET", keys.run_key(request_id), tenant, "EX", ttl)
 
-    def finish(self, request_id: str, groups: list[str], ttl: int) -> asyncio.Future:
+    def finish(self, request_id: str, groups: list[str], ttl: int,
+               registered: bool = True) -> Awaitable | None:
         """Unregister a run that has ended, its commands queued at this call (`BatchedRedis.now`):
-        a cancel of it that this registry is asked for after this call finds it ended."""
-        deleted = self.redis.now("DEL", keys.run_key(request_id))
+        a cancel of it that this registry is asked for after this call finds it ended. Not
+        `registered`: its worker removed its key already, with its answer; nothing if no group either."""
+        deleted = [self.redis.now("DEL", keys.run_key(request_id))] if registered else []
         if not groups:
-            return deleted
-        return asyncio.gather(deleted, *(
+            return deleted[0] if deleted else None
+        return asyncio.gather(*deleted, *(
             self.redis.call_now(self._finish, [keys.cancel_id_key(group)], [request_id, ttl, FINISHED])
             for group in groups))
 

@@ -97,6 +97,7 @@ class Run:
         self.grant: Grant | None = None  # its API key's limits and usage (gateway/fleet/rate_limits.py), if any
         self.ending: asyncio.Task | None = None  # the unregistering, once the owner began it
         self.unreachable = False  # Redis failed while registering it: nothing to unregister
+        self.unregistered = False  # its worker removed its registration (`ChunkEnvelope.unregistered`)
         self.worker_id = ""
         self.placing = False  # handed to the queue (queued, or maybe: see placement)
         self.placement: Placement | None = None  # where it was queued, once it surely was
@@ -184,6 +185,7 @@ class Run:
                     self._sent.add(chunk)
                 if chunk.done:
                     self.finished = True
+                    self.unregistered = envelope.unregistered
                 if self.grant is not None:
                     self.grant.count(chunk)
                 if held is not None:
@@ -650,7 +652,7 @@ class Fleet:
     def _finish(self, run: Run) -> Awaitable[None]:
         """Unregister an ended run and free its key's place, the commands queued at this call."""
         finishing = None if run.unreachable else self.cancels.finish(run.request_id, cancel_groups(run.envelope),
-                                                                      self._ttl(run.envelope))
+                                                                      self._ttl(run.envelope), not run.unregistered)
         return self._finished(run, finishing, None if run.grant is None else self.limits.release(run.grant))
 
     @staticmethod
