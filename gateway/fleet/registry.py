@@ -43,7 +43,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 from gateway import metrics
-from shared import keys
+from shared import keys, redis_pool
 from shared.codec import decode
 from shared.envelopes import API_NAMES, ENCODER_KINDS, WorkerInfo, work_of
 from shared.errors import EnvelopeError, InvalidRequest, ModelNotFound, ServiceUnavailable
@@ -57,6 +57,20 @@ DRAINED_MEMORY_S = 60.0  # a worker seen draining is remembered as such this lon
 # The context length of a model no live worker announces and this gateway never saw served: the
 # gateway cannot check `max_tokens` against it, so it leaves that check to the worker's engine.
 UNKNOWN_MAX_MODEL_LEN = 2**31 - 1
+
+# ARGV: the heartbeat keys' pattern. Every heartbeat, scanned and read in one script: on one server a
+# refresh is then one round trip (this and the backlog's reads share a batch), not three.
+_HEARTBEATS = """
+local cursor, values = '0', {}
+repeat
+  local reply = redis.call('SCAN', cursor, 'MATCH', ARGV[1], 'COUNT', 500)
+  cursor = reply[1]
+  if #reply[2] > 0 then
+    for _, value in ipairs(redis.call('MGET', unpack(reply[2]))) do values[#values + 1] = value end
+  end
+until cursor == '0'
+return values
+"""
 
 
 @dataclass(slots=True)
@@ -88,6 +102,8 @@ class _Remembered:
 class WorkerRegistry:
     def __init__(self, redis: aioredis.Redis, configured_models: Iterable[str] = ()):
         self.redis = redis
+        # A cluster's client scans each node itself: there, a scan and a read (keys on every node).
+        self._read_heartbeats = redis.register_script(_HEARTBEATS) if redis_pool.pipelines_run_in_order(redis) else None
         self.models: dict[str, ModelView] = {}
         self.configured = frozenset(configured_models)
         self._remembered: dict[str, _Remembered] = {}
@@ -104,8 +120,10 @@ class WorkerRegistry:
         self.stopping = asyncio.Event()
 
     async def refresh(self) -> None:
-        names = [key async for key in self.redis.scan_iter(match=keys.WORKER_KEY_PATTERN, count=500)]
-        values = await self.redis.mget(names) if names else []
+        # The backlog of the streams known before, read beside the heartbeats (one batch), and read
+        # again only if this refresh finds a model or a worker come or gone.
+        streams = self._streams()
+        values, replies = await asyncio.gather(self._heartbeats(), self._read_backlog(streams))
         models: dict[str, ModelView] = {}
         for value in values:
             if value is None:
@@ -127,7 +145,16 @@ class WorkerRegistry:
         self._gone = {w: at for w, at in self._gone.items() if now - at < GONE_MEMORY_S}
         self._refreshed = now
         self._remember(now)
-        await self._refresh_backlog()
+        if (now_known := self._streams()) != streams:
+            streams, replies = now_known, await self._read_backlog(now_known)
+        self._report_backlog(streams, replies)
+
+    async def _heartbeats(self) -> list[bytes | None]:
+        """The value of every worker's heartbeat key."""
+        if self._read_heartbeats is not None:
+            return await self._read_heartbeats(keys=[], args=[keys.WORKER_KEY_PATTERN])
+        names = [key async for key in self.redis.scan_iter(match=keys.WORKER_KEY_PATTERN, count=500)]
+        return await self.redis.mget(names) if names else []
 
     def _remember(self, now: float) -> None:
         self._remembered.update((v.name, _Remembered(now, v.max_model_len)) for v in self.models.values())
@@ -143,7 +170,24 @@ class WorkerRegistry:
         done = sum(w.completed - before[w.worker_id] for w in view.workers if w.worker_id in before)
         return 0.7 * old.drain_rate + 0.3 * max(done, 0) / (now - self._refreshed)
 
-    async def _refresh_backlog(self) -> None:
+    def _streams(self) -> dict[str, list[str]]:
+        """Every known model's request streams: its own, and each of its live workers'."""
+        streams = {model: [keys.request_stream(model)] for model in sorted(self.known_models())}
+        for model, view in self.models.items():
+            streams[model] += [keys.worker_stream(model, w.worker_id) for w in view.workers]
+        return streams
+
+    async def _read_backlog(self, streams: dict[str, list[str]]) -> list:
+        """The streams' lengths and groups, in one pipeline: what `_report_backlog` reports."""
+        if not streams:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for stream in (stream for names in streams.values() for stream in names):
+            pipe.xlen(stream)
+            pipe.xinfo_groups(stream)
+        return await pipe.execute(raise_on_error=False)
+
+    def _report_backlog(self, streams: dict[str, list[str]], replies: list) -> None:
         """Set the backlog and live-worker gauges of every known model from its request streams.
 
         Answered requests are deleted from a stream, so its length is waiting + running, and the
@@ -153,14 +197,7 @@ class WorkerRegistry:
         stream. A model's figures add its stream's and its live workers' own streams'. Every
         gateway reports the same fleet-wide figures: aggregate with max().
         """
-        streams = {model: [keys.request_stream(model)] for model in sorted(self.known_models())}
-        for model, view in self.models.items():
-            streams[model] += [keys.worker_stream(model, w.worker_id) for w in view.workers]
-        pipe = self.redis.pipeline(transaction=False)
-        for stream in (stream for names in streams.values() for stream in names):
-            pipe.xlen(stream)
-            pipe.xinfo_groups(stream)
-        replies = iter(await pipe.execute(raise_on_error=False) if streams else [])
+        replies = iter(replies)
         load = {}
         for model, names in streams.items():
             load[model] = Load()
