@@ -14,7 +14,8 @@ like the tiny model on vLLM here (so that each hop finds the next process asleep
 llmfleet at `--before REF` runs beside this tree, each with its own Redis, workers and gateway,
 in alternating rounds. Per request (per token for the stream), for each process: the times its
 threads ran (`/proc/<pid>/task/*/schedstat`'s run count: wake-ups, and the rare preemption),
-its CPU (the same file's run time), and the commands Redis served (`INFO commandstats`).
+its CPU (the same file's run time), and the commands Redis served (`INFO commandstats`). And
+with no request at all (each round, every process of both fleets idle together), the same a second.
 
     python -m bench.wakeups [--before REF] [--rounds 3] [--seconds 6] [--encode-ms 5] [--tokens-per-second 200]
 
@@ -74,7 +75,9 @@ def fleet(encode_ms: float, tokens_per_second: float, source: str | None):
         for model in (EMBED_MODEL, CHAT_MODEL):
             wait_until_served(gateway, model, timeout=30)
         pids = {"embed": {"gateway": gateway.pid, "worker": encoder.pid, "redis": store.pid},
-                "stream": {"gateway": gateway.pid, "worker": chat.pid, "redis": store.pid}}
+                "stream": {"gateway": gateway.pid, "worker": chat.pid, "redis": store.pid},
+                "idle": {"gateway": gateway.pid, "encoder worker": encoder.pid, "chat worker": chat.pid,
+                         "redis": store.pid}}
         yield gateway.url, redis.Redis.from_url(store.url), pids
     finally:
         for proc in reversed(procs):
@@ -103,15 +106,29 @@ def measure(url: str, store: redis.Redis, pids: dict[str, int], load: str, secon
     return row
 
 
+def idle(pids: dict[str, int], seconds: float) -> dict[str, float]:
+    """What each process spends with no request at all: the times it ran, and its run time (ms), a second."""
+    before = {name: thread_stats(pid) for name, pid in pids.items()}
+    time.sleep(seconds)
+    after = {name: thread_stats(pid) for name, pid in pids.items()}
+    return {**{f"{name}_runs": (after[name][1] - before[name][1]) / seconds for name in pids},
+            **{f"{name}_cpu_ms": (after[name][0] - before[name][0]) / seconds * 1000 for name in pids}}
+
+
 def run(before: str | None, rounds: int, seconds: float, encode_ms: float, tokens_per_second: float) -> dict:
     sides = ["llmfleet"] + [f"llmfleet at {before}"] * bool(before)
     measured: dict[tuple[str, str], list[dict]] = {(load, side): [] for load in LOADS for side in sides}
+    idling: dict[str, list[dict]] = {side: [] for side in sides}
     with contextlib.ExitStack() as stack:
         fleets = {side: stack.enter_context(fleet(encode_ms, tokens_per_second, None if side == "llmfleet"
                                                   else stack.enter_context(source_tree(before))))
                   for side in sides}
-        steps, done = rounds * len(LOADS) * len(sides), 0
+        steps, done = rounds * (len(LOADS) + 1) * len(sides), 0
         for round_ in range(rounds):
+            for side in sides:  # all idle together
+                idling[side].append(idle(fleets[side][2]["idle"], seconds))
+                done += 1
+                progress("wakeups", done, steps)
             for load in LOADS:
                 for side in sides[round_ % len(sides):] + sides[:round_ % len(sides)]:  # each round in another order
                     url, store, pids = fleets[side]
@@ -123,7 +140,9 @@ def run(before: str | None, rounds: int, seconds: float, encode_ms: float, token
              "requests_per_s_each": [run["requests_per_s"] for run in runs]}
             for (load, side), runs in measured.items()]
     return {"measured_at": time.strftime("%Y-%m-%d %H:%M"), "before": before, "encode_ms": encode_ms,
-            "stream_tokens": STREAM_TOKENS, "tokens_per_second": tokens_per_second, "rows": rows}
+            "stream_tokens": STREAM_TOKENS, "tokens_per_second": tokens_per_second, "rows": rows,
+            "idle": {side: {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+                     for side, runs in idling.items()}}
 
 
 def table(result: dict) -> str:
@@ -139,15 +158,28 @@ def table(result: dict) -> str:
                  f"{result['stream_tokens']} tokens at {result['tokens_per_second']:g} tokens/s (divide by "
                  f"{result['stream_tokens']} for a token's). Medians of {result['rows'][0]['rounds']} alternating "
                  "rounds; requests/s of each round in brackets.")
+    lines += ["", "| idle | times run a second: gateway / encoder worker / chat worker / Redis | "
+                  "run time ms a second |", "|---|---|---|"]
+    names = ("gateway", "encoder worker", "chat worker", "redis")
+    for side, idled in result.get("idle", {}).items():
+        runs = " / ".join(f"{idled[f'{name}_runs']:.1f}" for name in names)
+        cpu = " / ".join(f"{idled[f'{name}_cpu_ms']:.1f}" for name in names)
+        lines.append(f"| {side} | {runs} | {cpu} |")
     return "\n".join(lines)
 
 
 def plot(result: dict) -> None:
+    """Per load and process, the times it ran per request (per token, for the stream), each server a bar."""
     from bench.common import RESULTS
 
-    names = [f"{row['server']}, {row['load']}" for row in result["rows"]]
-    panels = {f"{name} runs per request": [row[f"{name}_runs"] for row in result["rows"]] for name in PROCESSES}
-    plot_bars(RESULTS / "wakeups.png", names, panels)
+    servers = list(dict.fromkeys(row["server"] for row in result["rows"]))
+    per = {"embed": ("request", 1), "stream": ("token", result["stream_tokens"])}
+    panels = {}
+    for load, (unit, divisor) in per.items():
+        rows = {row["server"]: row for row in result["rows"] if row["load"] == load}
+        for name in PROCESSES:
+            panels[f"{load}: {name} runs/{unit}"] = [rows[server][f"{name}_runs"] / divisor for server in servers]
+    plot_bars(RESULTS / "wakeups.png", servers, panels)
 
 
 def main(argv: list[str] | None = None) -> dict:
