@@ -27,7 +27,9 @@ subscribed again yet), and on a Redis Cluster, whose nodes count subscribers eac
 
 Each refresh also reads every known model's request stream, and the own stream of each of its
 live workers (`shared/affinity.py`), in one pipeline, for the backlog gauges and `/fleet/load`:
-requests waiting for a worker and requests running on one.
+requests waiting for a worker and requests running on one. On one server that pipeline shares a
+batch with the heartbeats' read (one script: the scan and the read): a refresh is one round trip
+while no worker comes or goes, and a second one when the streams to read changed.
 """
 
 from __future__ import annotations
