@@ -303,6 +303,19 @@ def metric_value(url: str, name: str, **labels: str) -> float:
     return total
 
 
+def recorded_batches(batched) -> list[list[tuple]]:
+    """The batches a `BatchedRedis` sends from now on, each as its commands' arguments (a list that grows)."""
+    batches: list[list[tuple]] = []
+    send = batched._round_trip
+
+    async def recorded(batch):
+        batches.append([args for args, _options, _future in batch])
+        return await send(batch)
+
+    batched._round_trip = recorded
+    return batches
+
+
 @contextlib.asynccontextmanager
 async def in_process_fleet(redis_url: str, **settings):
     """A gateway's `Fleet` running in this process (no HTTP), its reply stream read, for tests and

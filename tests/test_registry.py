@@ -18,7 +18,7 @@ from shared import keys
 from shared.codec import encode
 from shared.envelopes import WorkerInfo
 from shared.redis_batch import BatchedRedis
-from tests.procs import start_redis
+from tests.procs import recorded_batches, start_redis
 
 pytestmark = pytest.mark.integration
 
@@ -35,14 +35,7 @@ async def test_a_refresh_is_one_round_trip_while_no_worker_comes_or_goes(redis_u
     redis = aioredis.Redis.from_url(redis_url)
     batched = BatchedRedis(redis)
     sending = asyncio.create_task(batched.run())
-    batches: list[list[tuple]] = []
-    sent = batched._round_trip
-
-    async def recorded(batch):
-        batches.append([args for args, _options, _future in batch])
-        return await sent(batch)
-
-    batched._round_trip = recorded
+    batches = recorded_batches(batched)
     registry = WorkerRegistry(batched)
     model, worker_id = f"m-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
     info = WorkerInfo(worker_id=worker_id, model=model, max_model_len=128, capacity=4)

@@ -196,17 +196,31 @@ async def test_the_silence_watch_sleeps_with_no_request_open_and_wakes_for_the_f
     await redis.aclose()
 
 
-async def test_a_first_output_queued_during_a_write_goes_out_next_without_a_pause(redis_url: str) -> None:
-    """A request's first output that comes while a write is on the wire goes out right after it,
-    not after the pause that follows a write (a minute here: a first output that waited would
-    not arrive)."""
+@contextlib.asynccontextmanager
+async def paused_a_minute(redis_url: str):
+    """A publisher whose pause between writes is a minute, two stream requests for one gateway,
+    and that gateway's queues for them, read while inside: (publisher, (streaming, newcomer), queues).
+    A delta that did not wait out the pause would show; one that waited could not arrive."""
     redis = aioredis.Redis.from_url(redis_url)
     gateway = uuid.uuid4().hex
     router = ReplyRouter(redis, gateway)
-    streaming, newcomer = _request(gateway, True), _request(gateway, True)
-    queues = {r.request_id: router.open(r.request_id) for r in (streaming, newcomer)}
+    requests = _request(gateway, True), _request(gateway, True)
+    queues = {r.request_id: router.open(r.request_id) for r in requests}
     publisher = ReplyPublisher(redis, "w1", coalesce_s=60.0, per_stream_s=60.0, most_s=60.0)
-    async with reading(router), running(publisher):
+    try:
+        async with reading(router), running(publisher):
+            yield publisher, requests, queues
+    finally:
+        for request in requests:
+            await redis.delete(keys.streamed_key(request.request_id))
+        await redis.delete(keys.reply_stream(gateway))
+        await redis.aclose()
+
+
+async def test_a_first_output_queued_during_a_write_goes_out_next_without_a_pause(redis_url: str) -> None:
+    """A request's first output that comes while a write is on the wire goes out right after it,
+    not after the pause that follows a write."""
+    async with paused_a_minute(redis_url) as (publisher, (streaming, newcomer), queues):
         publisher.publish(streaming, GenerationChunk(text="a", token_count=1))
         while not publisher._in_flight[0]:  # the write of "a" is under way
             await asyncio.sleep(0)
@@ -214,10 +228,6 @@ async def test_a_first_output_queued_during_a_write_goes_out_next_without_a_paus
         first = await asyncio.wait_for(queues[streaming.request_id].get(), 5)
         other = await asyncio.wait_for(queues[newcomer.request_id].get(), 5)
     assert [(e.seq, [c.text for c in e.chunks]) for e in (first, other)] == [(0, ["a"]), (0, ["x"])]
-    for request in (streaming, newcomer):
-        await redis.delete(keys.streamed_key(request.request_id))
-    await redis.delete(keys.reply_stream(gateway))
-    await redis.aclose()
 
 
 def test_the_pause_between_writes_grows_with_the_requests_a_write_carried() -> None:
@@ -228,16 +238,8 @@ def test_the_pause_between_writes_grows_with_the_requests_a_write_carried() -> N
 
 async def test_deltas_wait_out_the_pause_merged_but_a_first_output_ends_it(redis_url: str) -> None:
     """After a write, a request's next deltas wait for the pause to end and go out merged, in one
-    envelope; a request's first output ends the pause at once, taking them along. (The pause is
-    made a minute long: a delta that did not wait would show, and one that waited could not pass
-    for a first output's.)"""
-    redis = aioredis.Redis.from_url(redis_url)
-    gateway = uuid.uuid4().hex
-    router = ReplyRouter(redis, gateway)
-    streaming, newcomer = _request(gateway, True), _request(gateway, True)
-    queues = {r.request_id: router.open(r.request_id) for r in (streaming, newcomer)}
-    publisher = ReplyPublisher(redis, "w1", coalesce_s=60.0, per_stream_s=60.0, most_s=60.0)
-    async with reading(router), running(publisher):
+    envelope; a request's first output ends the pause at once, taking them along."""
+    async with paused_a_minute(redis_url) as (publisher, (streaming, newcomer), queues):
         publisher.publish(streaming, GenerationChunk(text="a", token_count=1))
         first = await asyncio.wait_for(queues[streaming.request_id].get(), 5)
         publisher.publish(streaming, GenerationChunk(text="b", token_count=1))
@@ -249,7 +251,3 @@ async def test_deltas_wait_out_the_pause_merged_but_a_first_output_ends_it(redis
         other = await asyncio.wait_for(queues[newcomer.request_id].get(), 5)
     assert [(e.seq, [c.text for c in e.chunks]) for e in (first, merged, other)] == [(0, ["a"]), (1, ["bc"]),
                                                                                      (0, ["x"])]
-    for request in (streaming, newcomer):
-        await redis.delete(keys.streamed_key(request.request_id))
-    await redis.delete(keys.reply_stream(gateway))
-    await redis.aclose()

@@ -24,7 +24,7 @@ from gateway.fleet.runs import Fleet
 from shared import keys, redis_pool
 from shared.codec import encode
 from shared.envelopes import ChunkEnvelope, GenerationChunk, RequestEnvelope, SamplingOptions
-from tests.procs import in_process_fleet, start_redis, wait_for
+from tests.procs import in_process_fleet, recorded_batches, start_redis, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -196,14 +196,7 @@ async def test_a_run_is_registered_and_queued_in_one_round_trip(redis_url, redis
     model = f"life-{uuid.uuid4().hex[:8]}"
     request = msgspec.structs.replace(envelope(model), cancel_id=None)
     async with in_process_fleet(redis_url) as fleet:
-        batches: list[list[tuple]] = []
-        sent = fleet.batched._round_trip
-
-        async def recorded(batch):
-            batches.append([args for args, _options, _future in batch])
-            return await sent(batch)
-
-        fleet.batched._round_trip = recorded
+        batches = recorded_batches(fleet.batched)
         async with fleet.submit(request):
             assert redis_client.xlen(keys.request_stream(model)) == 1
         await asyncio.wait_for(asyncio.gather(*fleet._tasks), 10)
@@ -220,14 +213,7 @@ async def _answered(redis_url: str, redis_client, answer) -> tuple[RequestEnvelo
     model = f"life-{uuid.uuid4().hex[:8]}"
     request = msgspec.structs.replace(envelope(model), cancel_id=None)
     async with in_process_fleet(redis_url) as fleet:
-        batches: list[list[tuple]] = []
-        sent = fleet.batched._round_trip
-
-        async def recorded(batch):
-            batches.append([args for args, _options, _future in batch])
-            return await sent(batch)
-
-        fleet.batched._round_trip = recorded
+        batches = recorded_batches(fleet.batched)
         async with fleet.submit(request) as run:
             assert redis_client.exists(keys.run_key(request.request_id))
             [(entry_id, _fields)] = redis_client.xrange(keys.request_stream(model))
