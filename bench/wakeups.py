@@ -1,10 +1,12 @@
 """What one client's request costs each process of llmfleet: times it ran, CPU, Redis commands.
 
 At one client a request crosses three processes (gateway, Redis, worker) that sleep between its
-hops; on this machine each time a process wakes costs it about 250 µs of CPU whatever it then
-does (docs/benchmarks.md, "Ninth pass"), so the count of wake-ups, not the code they run, sets
-what a request costs beside the engine. Two loads, one client each, on the scripted engine paced
-like the tiny model on vLLM here (so that each hop finds the next process asleep):
+hops. On this machine (a virtual machine) a process is charged run time for each wake-up, more
+the longer it slept, whatever it then does (docs/benchmarks.md, "Fifteenth pass"; the bench first
+measures that price: one process, 200 sleeps of 1, 10 and 100 ms). So what a request costs beside
+the engine at low load is mostly its wake-ups; their count is what a change can lower, and it is
+steadier from run to run than the CPU they are charged. Two loads, one client each, on the
+scripted engine, paced so that each hop finds the next process asleep:
 
 - **embed**: an embedding of one input, the encoder taking `--encode-ms` per input (5 ms);
 - **stream**: a chat stream of 64 tokens at `--tokens-per-second` (200: 5 ms a token, a step of
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import time
 from pathlib import Path
@@ -106,6 +109,21 @@ def measure(url: str, store: redis.Redis, pids: dict[str, int], load: str, secon
     return row
 
 
+def wake_price(sleeps: int = 200) -> dict[str, dict[str, float]]:
+    """What this process is charged per wake-up after sleeping 1, 10 and 100 ms (its schedstat run time
+    per sleep, µs, median), and how late each sleep ends (µs, median)."""
+    price = {}
+    for asleep in (0.001, 0.01, 0.1):
+        charged, late = [], []
+        for _ in range(sleeps if asleep < 0.1 else sleeps // 10):
+            ran, started = thread_stats(os.getpid())[0], time.perf_counter()
+            time.sleep(asleep)
+            late.append((time.perf_counter() - started - asleep) * 1e6)
+            charged.append((thread_stats(os.getpid())[0] - ran) * 1e6)
+        price[f"{asleep * 1000:g} ms"] = {"charged_us": statistics.median(charged), "late_us": statistics.median(late)}
+    return price
+
+
 def idle(pids: dict[str, int], seconds: float) -> dict[str, float]:
     """What each process spends with no request at all: the times it ran, and its run time (ms), a second."""
     before = {name: thread_stats(pid) for name, pid in pids.items()}
@@ -119,6 +137,7 @@ def run(before: str | None, rounds: int, seconds: float, encode_ms: float, token
     sides = ["llmfleet"] + [f"llmfleet at {before}"] * bool(before)
     measured: dict[tuple[str, str], list[dict]] = {(load, side): [] for load in LOADS for side in sides}
     idling: dict[str, list[dict]] = {side: [] for side in sides}
+    price = wake_price()  # before any fleet runs: the machine alone
     with contextlib.ExitStack() as stack:
         fleets = {side: stack.enter_context(fleet(encode_ms, tokens_per_second, None if side == "llmfleet"
                                                   else stack.enter_context(source_tree(before))))
@@ -140,14 +159,18 @@ def run(before: str | None, rounds: int, seconds: float, encode_ms: float, token
              "requests_per_s_each": [run["requests_per_s"] for run in runs]}
             for (load, side), runs in measured.items()]
     return {"measured_at": time.strftime("%Y-%m-%d %H:%M"), "before": before, "encode_ms": encode_ms,
-            "stream_tokens": STREAM_TOKENS, "tokens_per_second": tokens_per_second, "rows": rows,
+            "stream_tokens": STREAM_TOKENS, "tokens_per_second": tokens_per_second, "wake_price": price, "rows": rows,
             "idle": {side: {key: statistics.median(run[key] for run in runs) for key in runs[0]}
                      for side, runs in idling.items()}}
 
 
 def table(result: dict) -> str:
-    lines = ["| load | server | requests/s | runs per request: gateway / worker / Redis | CPU µs per request: "
-             "gateway / worker / Redis | Redis commands per request |", "|---|---|---|---|---|---|"]
+    price = result.get("wake_price", {})
+    lines = ["What one wake-up is charged here, after sleeping " + ", ".join(
+        f"{asleep}: {figures['charged_us']:.0f} µs (the sleep {figures['late_us']:.0f} µs late)"
+        for asleep, figures in price.items()) + ".", ""] if price else []
+    lines += ["| load | server | requests/s | runs per request: gateway / worker / Redis | CPU µs per request: "
+              "gateway / worker / Redis | Redis commands per request |", "|---|---|---|---|---|---|"]
     for row in result["rows"]:
         runs = " / ".join(f"{row[f'{name}_runs']:.2f}" for name in PROCESSES)
         cpu = " / ".join(f"{row[f'{name}_cpu_us']:.0f}" for name in PROCESSES)
