@@ -64,3 +64,32 @@ async def test_a_refresh_is_one_round_trip_while_no_worker_comes_or_goes(redis_u
         await sending
         await redis.delete(keys.request_stream(model), keys.worker_key(worker_id))
         await redis.aclose()
+
+
+async def test_a_refresh_finds_every_worker_in_a_keyspace_that_takes_several_scan_steps(redis_url: str) -> None:
+    """Each script call scans one step (as long as a SCAN's, never the whole keyspace while Redis waits):
+    among 5,000 other keys, the refresh steps on until the scan ends and finds every worker."""
+    redis = aioredis.Redis.from_url(redis_url)
+    batched = BatchedRedis(redis)
+    sending = asyncio.create_task(batched.run())
+    model, others = f"m-{uuid.uuid4().hex[:8]}", f"other-{uuid.uuid4().hex[:8]}"
+    worker_ids = [uuid.uuid4().hex for _ in range(3)]
+    try:
+        pipe = redis.pipeline(transaction=False)
+        for i in range(5_000):
+            pipe.set(f"{others}:{i}", b"x", ex=60)
+        for worker_id in worker_ids:
+            pipe.set(keys.worker_key(worker_id), encode(WorkerInfo(worker_id=worker_id, model=model,
+                                                                   max_model_len=128, capacity=4)), ex=60)
+        await pipe.execute()
+        registry = WorkerRegistry(batched)
+        await registry.refresh()  # Redis learns the script
+        batches = recorded_batches(batched)
+        await registry.refresh()
+        assert sorted(w.worker_id for w in registry.models[model].workers) == sorted(worker_ids)
+        assert sum(command[0] == "EVALSHA" for batch in batches for command in batch) > 1  # several steps
+    finally:
+        batched.stop()
+        await sending
+        await redis.delete(*(f"{others}:{i}" for i in range(5_000)), *(keys.worker_key(w) for w in worker_ids))
+        await redis.aclose()

@@ -28,8 +28,9 @@ subscribed again yet), and on a Redis Cluster, whose nodes count subscribers eac
 Each refresh also reads every known model's request stream, and the own stream of each of its
 live workers (`shared/affinity.py`), in one pipeline, for the backlog gauges and `/fleet/load`:
 requests waiting for a worker and requests running on one. On one server that pipeline shares a
-batch with the heartbeats' read (one script: the scan and the read): a refresh is one round trip
-while no worker comes or goes, and a second one when the streams to read changed.
+batch with the heartbeats' read (a script: a step of the scan, and the read of what it found): in a
+small keyspace a refresh is one round trip while no worker comes or goes, and a second one when the
+streams to read changed.
 """
 
 from __future__ import annotations
@@ -60,18 +61,14 @@ DRAINED_MEMORY_S = 60.0  # a worker seen draining is remembered as such this lon
 # gateway cannot check `max_tokens` against it, so it leaves that check to the worker's engine.
 UNKNOWN_MAX_MODEL_LEN = 2**31 - 1
 
-# ARGV: the heartbeat keys' pattern. Every heartbeat, scanned and read in one script: on one server a
-# refresh is then one round trip (this and the backlog's reads share a batch), not three.
+# ARGV: a cursor, the heartbeat keys' pattern. One step of the scan of the heartbeat keys: the next cursor,
+# and the values of the keys found. In a small keyspace one step is the whole scan, so a refresh is one round
+# trip (this and the backlog's reads share a batch), not three; a step is as long as a SCAN's in any keyspace.
 _HEARTBEATS = """
-local cursor, values = '0', {}
-repeat
-  local reply = redis.call('SCAN', cursor, 'MATCH', ARGV[1], 'COUNT', 500)
-  cursor = reply[1]
-  if #reply[2] > 0 then
-    for _, value in ipairs(redis.call('MGET', unpack(reply[2]))) do values[#values + 1] = value end
-  end
-until cursor == '0'
-return values
+local found = redis.call('SCAN', ARGV[1], 'MATCH', ARGV[2], 'COUNT', 500)
+local values = {}
+if #found[2] > 0 then values = redis.call('MGET', unpack(found[2])) end
+return {found[1], values}
 """
 
 
@@ -154,7 +151,12 @@ class WorkerRegistry:
     async def _heartbeats(self) -> list[bytes | None]:
         """The value of every worker's heartbeat key."""
         if self._read_heartbeats is not None:
-            return await self._read_heartbeats(keys=[], args=[keys.WORKER_KEY_PATTERN])
+            values, cursor = [], 0
+            while True:
+                cursor, found = await self._read_heartbeats(keys=[], args=[cursor, keys.WORKER_KEY_PATTERN])
+                values += found
+                if int(cursor) == 0:
+                    return values
         names = [key async for key in self.redis.scan_iter(match=keys.WORKER_KEY_PATTERN, count=500)]
         return await self.redis.mget(names) if names else []
 
