@@ -207,9 +207,10 @@ async def test_a_run_is_registered_and_queued_in_one_round_trip(redis_url, redis
     assert names.index("SET") < names.index("EVALSHA"), names
 
 
-async def _answered(redis_url: str, redis_client, answer) -> tuple[RequestEnvelope, list[list[tuple]], bool]:
+async def _answered(redis_url: str, redis_client, answer) -> tuple[RequestEnvelope, list[list[tuple]], bool, int]:
     """A run without cancel groups, answered by `answer(request, entry_id)` (a worker's terminal write):
-    the request, the gateway's batches, and whether its run read that the worker unregistered it."""
+    the request, the gateway's batches, whether its run read that the worker unregistered it, and
+    how many background tasks the gateway had left once the run's block was over."""
     model = f"life-{uuid.uuid4().hex[:8]}"
     request = msgspec.structs.replace(envelope(model), cancel_id=None)
     async with in_process_fleet(redis_url) as fleet:
@@ -220,8 +221,9 @@ async def _answered(redis_url: str, redis_client, answer) -> tuple[RequestEnvelo
             await answer(request, entry_id.decode())
             chunks = [chunk async for chunk in run.chunks()]
             assert chunks[-1].finish_reason == "stop"
+        spawned = len(fleet._tasks)
         await asyncio.wait_for(asyncio.gather(*fleet._tasks), 10)
-    return request, batches, run.unregistered
+    return request, batches, run.unregistered, spawned
 
 
 async def test_a_run_its_worker_answered_is_unregistered_by_the_worker(redis_url, redis_client):
@@ -238,10 +240,11 @@ async def test_a_run_its_worker_answered_is_unregistered_by_the_worker(redis_url
             await publisher.finish(request, GenerationChunk(done=True, finish_reason="stop"),
                                    (keys.request_stream(request.model), entry_id, request.request_id))
 
-    request, batches, unregistered = await _answered(redis_url, redis_client, answer)
+    request, batches, unregistered, spawned = await _answered(redis_url, redis_client, answer)
     assert unregistered and not redis_client.exists(keys.run_key(request.request_id))
     assert not [command for batch in batches for command in batch if keys.run_key(request.request_id) in command[1:]
                 and command[0] != "SET"], batches
+    assert spawned == 0  # nothing left to send: its ending starts no task
 
 
 async def test_a_run_an_older_worker_answered_is_unregistered_by_its_gateway(redis_url, redis_client):
@@ -251,6 +254,7 @@ async def test_a_run_an_older_worker_answered_is_unregistered_by_its_gateway(red
         terminal = ChunkEnvelope(request.request_id, 0, [GenerationChunk(done=True, finish_reason="stop")], "old")
         redis_client.xadd(request.reply_to, {keys.ENVELOPE_FIELD: encode(terminal)})
 
-    request, batches, unregistered = await _answered(redis_url, redis_client, answer)
+    request, batches, unregistered, spawned = await _answered(redis_url, redis_client, answer)
     assert not unregistered and not redis_client.exists(keys.run_key(request.request_id))
     assert ["DEL", keys.run_key(request.request_id)] in [list(command) for batch in batches for command in batch]
+    assert spawned == 1  # the task that waits for the DEL's reply

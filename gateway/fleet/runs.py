@@ -95,7 +95,7 @@ class Run:
         self.closed_at = 0.0
         self.cancel_reason: str | None = None  # set by `close` if the run had not ended
         self.grant: Grant | None = None  # its API key's limits and usage (gateway/fleet/rate_limits.py), if any
-        self.ending: asyncio.Task | None = None  # the unregistering, once the owner began it
+        self.ending: asyncio.Future | None = None  # the unregistering, once the owner began it
         self.unreachable = False  # Redis failed while registering it: nothing to unregister
         self.unregistered = False  # its worker removed its registration (`ChunkEnvelope.unregistered`)
         self.worker_id = ""
@@ -510,17 +510,18 @@ class Fleet:
             raise
         metrics.SUBMITTED.labels(envelope.model).inc()
 
-    def end(self, run: Run) -> asyncio.Task:
+    def end(self, run: Run) -> asyncio.Future:
         """Close the run's route and unregister it (cancelling it first if it had not ended), in
         the background, since callers are often being cancelled themselves. Once per run: the
         task is the same whoever asks (the owner's exit, or the request's end). A run that has
         ended has its unregistering queued at this call (`BatchedRedis.now`): a cancel of it, or
         its key's next request, that this gateway sends after it reaches Redis after it, so the
-        client need not wait for Redis's replies to read the end of its answer."""
+        client need not wait for Redis's replies to read the end of its answer. A run with nothing
+        left to send (its worker unregistered it, no group, no key) starts no task."""
         if run.ending is None:
             run.close()
             self.router.close(run.request_id)
-            run.ending = self.spawn(self._unregister(run) if run.cancel_reason is not None else self._finish(run))
+            run.ending = self.spawn(self._unregister(run)) if run.cancel_reason is not None else self._finish(run)
         return run.ending
 
     def _ready_takeover(self, run: Run, state: Continuation | None, taken: bool) -> None:
@@ -649,11 +650,16 @@ class Fleet:
             log.warning("cancelling request %s failed: %s", run.request_id, exc)
         await self._finish(run)
 
-    def _finish(self, run: Run) -> Awaitable[None]:
-        """Unregister an ended run and free its key's place, the commands queued at this call."""
+    def _finish(self, run: Run) -> asyncio.Future:
+        """Unregister an ended run and free its key's place, the commands queued at this call: a task
+        that waits for Redis's replies, or a future already done where there is nothing to send."""
         finishing = None if run.unreachable else self.cancels.finish(run.request_id, cancel_groups(run.envelope),
                                                                       self._ttl(run.envelope), not run.unregistered)
-        return self._finished(run, finishing, None if run.grant is None else self.limits.release(run.grant))
+        if finishing is None and run.grant is None:
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
+        return self.spawn(self._finished(run, finishing, None if run.grant is None else self.limits.release(run.grant)))
 
     @staticmethod
     async def _finished(run: Run, finishing: Awaitable | None, releasing: Awaitable[None] | None) -> None:

@@ -62,7 +62,7 @@ class RequestLife(AbstractAsyncContextManager):
         self._hooks: list[Hook] = []
         self._submit = None
         self._started = 0.0
-        self._ending: asyncio.Task | None = None
+        self._ending: asyncio.Future | None = None
 
     def on_end(self, hook: Hook) -> None:
         """Have `hook(outcome)` store the request's history once it has ended and its run is unregistered."""
