@@ -1,4 +1,4 @@
-"""An encoding reaches its engine while its lease is taken (`Runner._start_early`), on a real Redis.
+"""An encoding reaches its engine while its lease is taken (`Runner._encode_early`), on a real Redis.
 
 The lease's round trip is then off the answer's path, and what the lease's reply says still
 holds: a request whose lease another worker holds is not answered here and its encoding is

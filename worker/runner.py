@@ -1,9 +1,8 @@
 """Running one claimed request through the engine, from its lease to its terminal chunk.
 
 Each request runs as a task of its own (`Runner.start`). It takes the request's lease and the
-cancel stashed for it while it waited (the request is with its engine meanwhile, an encoding or a
-generation's first step: `_start_early`; nothing is published before the lease is held), refuses it
-unstarted when it must not run (cancelled,
+cancel stashed for it while it waited (an encoding is with its engine meanwhile: `_encode_early`;
+nothing is published before the lease is held), refuses it unstarted when it must not run (cancelled,
 past its deadline or queue timeout, half-sent by a worker that died, unless it replays exactly
 or is continued from what its client was sent: see gateway/fleet/replay.py and
 `--migration-limit`), and otherwise dispatches
@@ -135,7 +134,7 @@ class Runner:
         metrics.IN_FLIGHT.labels(self.model).set(self.in_flight)
         asked = time.monotonic()
         queued = max(0.0, time.time() - request.arrival)
-        early = self._start_early(request, reclaimed)
+        early = self._encode_early(request, reclaimed)
         try:
             try:
                 lease, stashed, streamed = await self.leases.take(request.request_id)
@@ -153,45 +152,33 @@ class Runner:
                 metrics.QUEUE_TIME.labels(self.model).observe(queued)
             runs = int(streamed or 0)  # runs of it that reached a client: 1 after the first, + each replay
             terminal = self._refuse_unstarted(request, stashed, runs)
-            if early is not None and (terminal is not None or runs):  # not to run as it began
-                early.drop(self.spawn)
-                early = None
             state = None
             if terminal is None and runs:
                 terminal, state = await self._take_over(request, runs)
             if terminal is None:
-                answering, early = self._answer(request, state, early), None  # the answer owns `early` now
-                terminal = await answering
+                terminal = await self._answer(request, state, early)
         finally:
-            if early is not None:  # not ours, or this task cancelled before its answer
-                early.drop(self.spawn)
+            if early is not None:
+                early.task.cancel()  # unless answered: refused, not ours, or this task cancelled
         if request.request_id in self.leases.lost:  # its answer is for the worker that took it over
             return
         await self._finish(stream, entry_id, request, terminal, queued, reclaimed)
 
-    def _start_early(self, request: RequestEnvelope, reclaimed: bool) -> _Early | None:
-        """The request handed to its engine at once, while its lease is taken, so that the lease's
-        round trip is off the answer's path: an encoding, or a generation's first step (its prompt
-        rendered, its engine request added, its first output awaited). Only a request first
-        claimed, of a kind this worker runs; it is stopped (the engine aborts it) if the lease is
-        another's or the request must not run, which the lease's reply tells. Nothing of it is
-        published before the lease is held. Not a request already cancelled or out of time, which
-        the lease's reply would refuse: an overloaded engine does no work for it."""
-        if reclaimed or request.kind not in self.kinds or request.request_id in self.cancel_requested \
+    def _encode_early(self, request: RequestEnvelope, reclaimed: bool) -> _Early | None:
+        """An encoding handed to the engine at once, while its lease is taken: the lease's round
+        trip is off the answer's path (a few hundred microseconds of a few milliseconds). Only a
+        request first claimed, of a kind this worker encodes; it is cancelled (the engine aborts
+        it) if the lease is another's or the request must not run, which the lease's reply tells.
+        Nothing of it is published before the lease is held. Not a request already cancelled or
+        out of time, which the lease's reply would refuse: an overloaded engine does no work for it."""
+        if reclaimed or not isinstance(self.adapter, EncoderAdapter) or request.kind not in ENCODER_KINDS:
+            return None
+        if request.kind not in self.kinds or request.request_id in self.cancel_requested \
                 or _past(request.deadline) or _past(request.queue_deadline):
             return None
-        adapter, generation = self.adapter, None
-        if request.kind in ENCODER_KINDS and isinstance(adapter, EncoderAdapter):
-            task = asyncio.ensure_future(adapter.encode(request))
-        elif request.kind in GENERATION_KINDS and isinstance(adapter, GenerationAdapter):
-            # Its first step runs in a task of its own (in a copy of this task's context: an adapter
-            # reads its context variables there), the rest in this one, from `_observe`.
-            generation = adapter.generate(request)
-            task = asyncio.ensure_future(anext(generation, None))
-        else:
-            return None
+        task = asyncio.ensure_future(self.adapter.encode(request))
         task.add_done_callback(_retrieved)  # an answer never awaited (its lease was another's) logs nothing
-        return _Early(task, time.monotonic(), generation)
+        return _Early(task, time.monotonic())
 
     async def _finish(self, stream: str, entry_id: str, request: RequestEnvelope, terminal: GenerationChunk,
                       queued: float, reclaimed: bool) -> None:
@@ -321,10 +308,10 @@ class Runner:
     async def _answer(self, request: RequestEnvelope, state: Continuation | None = None,
                       early: _Early | None = None) -> GenerationChunk:
         """The request's terminal chunk, from the adapter of its kind of work (a generation: from
-        where its client's stream stood, given that; `early`'s, if it began while its lease was taken)."""
+        where its client's stream stood, given that; an encoding: `early`'s, if it began early)."""
         adapter = self.adapter
         if request.kind in GENERATION_KINDS and isinstance(adapter, GenerationAdapter):
-            return await self._generate(adapter, request, state, early)
+            return await self._generate(adapter, request, state)
         if request.kind in ENCODER_KINDS and isinstance(adapter, EncoderAdapter):
             return await self._encode(adapter, request, early)
         if request.kind in TOKENIZER_KINDS and isinstance(adapter, TokenizerAdapter):
@@ -348,8 +335,7 @@ class Runner:
         """The encoder's answer (`early`'s, if it began while the lease was taken): one terminal
         chunk; a cancel or the deadline cancels its task, and with it `early`'s."""
         deadline = self._deadline_alarm(request)
-        answering, started = (early.task, early.started) if early is not None else (adapter.encode(request),
-                                                                                      time.monotonic())
+        answering, started = early or (adapter.encode(request), time.monotonic())
         self._encoding.add(request.request_id)
         try:
             terminal = await self._whole(answering)
@@ -383,12 +369,9 @@ class Runner:
             delay, lambda: self.spawn(self.cancel(request.request_id, "deadline")))
 
     async def _generate(self, adapter: GenerationAdapter, request: RequestEnvelope,
-                        state: Continuation | None = None, early: _Early | None = None) -> GenerationChunk:
-        """Run the generation (`early`'s, if it began while the lease was taken), publishing deltas;
-        return the terminal chunk (not yet published)."""
-        if early is not None:
-            generation = early.generation
-        elif state is None:
+                        state: Continuation | None = None) -> GenerationChunk:
+        """Run the generation, publishing deltas; return the terminal chunk (not yet published)."""
+        if state is None:
             generation = adapter.generate(request)
         else:  # each choice an engine request of its own, named apart where there are several
             parts = {choice.index: request.continued(choice) for choice in state.choices}
@@ -400,7 +383,7 @@ class Runner:
             generation = continuing({index: stopped_across_the_break(adapter.generate(part, sent[index].token_ids),
                                                                      sent[index].text, request.params)
                                      for index, part in parts.items()}, state)
-        chunks = self._observe(adapter, request, generation, early)
+        chunks = self._observe(adapter, request, generation)
         deadline = self._deadline_alarm(request)
         note = asyncio.get_running_loop().call_later(STARTED_NOTE_AFTER_S, self.publisher.started, request)
         try:
@@ -434,45 +417,32 @@ class Runner:
             await adapter.abort(engine_request)
 
     async def _observe(self, adapter: GenerationAdapter, request: RequestEnvelope,
-                       chunks: AsyncIterator[GenerationChunk], early: _Early | None = None
-                       ) -> AsyncIterator[GenerationChunk]:
-        """Pass chunks through (the first one `early`'s, where the generation began early), tracking
-        the phase and tokens a cancel would interrupt."""
+                       chunks: AsyncIterator[GenerationChunk]) -> AsyncIterator[GenerationChunk]:
+        """Pass chunks through, tracking the phase and tokens a cancel would interrupt."""
         request_id = request.request_id
-        state = self._progress[request_id] = _Progress() if early is None else _Progress(started=early.started)
+        state = self._progress[request_id] = _Progress()
         try:
-            if early is not None:
-                if (chunk := await early.task) is None:  # the generation ended without a chunk
-                    return
-                if self._note(request, state, chunk):
-                    await self._abort(adapter, request_id)
-                yield chunk
             async for chunk in chunks:
-                if self._note(request, state, chunk):
+                state.tokens += chunk.token_count
+                if chunk.first_token:
+                    state.first_token(chunk.first_token_at)
+                    metrics.PREFILL_TIME.labels(self.model).observe(state.first_token_at - state.started)
+                    if not chunk.done and (request.continues or request.replays_exactly):
+                        # its gateway keeps them, should another worker take the stream over
+                        chunk.timings = {"prefill_s": state.first_token_at - state.started,
+                                         "first_token_at": state.first_token_wall}
+                if chunk.done:
+                    chunk.timings = state.timings(self.model)
+                if request_id in self.cancel_requested and not state.reaborted:
+                    # The abort may have reached the adapter before the engine knew the request.
+                    state.reaborted = True
                     await self._abort(adapter, request_id)
+                if chunk.done and state.tokens_at_cancel is not None:
+                    self._record_abort(request, state)
                 yield chunk
         finally:
             self._progress.pop(request_id, None)
             await chunks.aclose()
-
-    def _note(self, request: RequestEnvelope, state: _Progress, chunk: GenerationChunk) -> bool:
-        """Note what a chunk says of the generation's progress; True: abort it again (a cancel's
-        abort may have reached the adapter before the engine knew the request)."""
-        state.tokens += chunk.token_count
-        if chunk.first_token:
-            state.first_token(chunk.first_token_at)
-            metrics.PREFILL_TIME.labels(self.model).observe(state.first_token_at - state.started)
-            if not chunk.done and (request.continues or request.replays_exactly):
-                # its gateway keeps them, should another worker take the stream over
-                chunk.timings = {"prefill_s": state.first_token_at - state.started,
-                                 "first_token_at": state.first_token_wall}
-        if chunk.done:
-            chunk.timings = state.timings(self.model)
-            if state.tokens_at_cancel is not None:
-                self._record_abort(request, state)
-        reabort = request.request_id in self.cancel_requested and not state.reaborted
-        state.reaborted = state.reaborted or reabort
-        return reabort
 
     def _record_abort(self, request: RequestEnvelope, state: _Progress) -> None:
         stopped = time.time()
@@ -576,19 +546,10 @@ class _Progress:
 
 
 class _Early(NamedTuple):
-    """A request handed to its engine before its lease was in (`Runner._start_early`): an encoding's
-    task, or a generation and the task of its first step (its first chunk, None if it had none)."""
+    """An encoding handed to its engine before its lease was in (`Runner._encode_early`)."""
 
     task: asyncio.Task
     started: float  # monotonic
-    generation: AsyncIterator[GenerationChunk] | None = None
-
-    def drop(self, spawn: Callable) -> None:
-        """Stop it unanswered (`spawn` runs a job in the background): its task is cancelled, and a
-        generation that has given its first chunk is closed, which aborts its engine request."""
-        self.task.cancel()
-        if self.generation is not None:  # closed once its first step is over: not while it runs
-            self.task.add_done_callback(lambda _task: spawn(self.generation.aclose()))
 
 
 def _past(deadline: float) -> bool:
