@@ -513,7 +513,7 @@ class Fleet:
     def end(self, run: Run) -> asyncio.Future:
         """Close the run's route and unregister it (cancelling it first if it had not ended), in
         the background, since callers are often being cancelled themselves. Once per run: the
-        task is the same whoever asks (the owner's exit, or the request's end). A run that has
+        future is the same whoever asks (the owner's exit, or the request's end). A run that has
         ended has its unregistering queued at this call (`BatchedRedis.now`): a cancel of it, or
         its key's next request, that this gateway sends after it reaches Redis after it, so the
         client need not wait for Redis's replies to read the end of its answer. A run with nothing
@@ -521,7 +521,13 @@ class Fleet:
         if run.ending is None:
             run.close()
             self.router.close(run.request_id)
-            run.ending = self.spawn(self._unregister(run)) if run.cancel_reason is not None else self._finish(run)
+            if run.cancel_reason is not None:
+                run.ending = self.spawn(self._unregister(run))
+            elif (finishing := self._finishing(run)) is not None:
+                run.ending = self.spawn(finishing)
+            else:
+                run.ending = asyncio.get_running_loop().create_future()
+                run.ending.set_result(None)
         return run.ending
 
     def _ready_takeover(self, run: Run, state: Continuation | None, taken: bool) -> None:
@@ -648,18 +654,17 @@ class Fleet:
             metrics.CANCELS.labels(run.cancel_reason).inc()
         except (RedisError, OSError) as exc:
             log.warning("cancelling request %s failed: %s", run.request_id, exc)
-        await self._finish(run)
+        if (finishing := self._finishing(run)) is not None:
+            await finishing
 
-    def _finish(self, run: Run) -> asyncio.Future:
-        """Unregister an ended run and free its key's place, the commands queued at this call: a task
-        that waits for Redis's replies, or a future already done where there is nothing to send."""
+    def _finishing(self, run: Run) -> Awaitable[None] | None:
+        """Unregister an ended run and free its key's place, the commands queued at this call; what
+        waits for Redis's replies, or None where there is nothing to send."""
         finishing = None if run.unreachable else self.cancels.finish(run.request_id, cancel_groups(run.envelope),
                                                                       self._ttl(run.envelope), not run.unregistered)
         if finishing is None and run.grant is None:
-            done = asyncio.get_running_loop().create_future()
-            done.set_result(None)
-            return done
-        return self.spawn(self._finished(run, finishing, None if run.grant is None else self.limits.release(run.grant)))
+            return None
+        return self._finished(run, finishing, None if run.grant is None else self.limits.release(run.grant))
 
     @staticmethod
     async def _finished(run: Run, finishing: Awaitable | None, releasing: Awaitable[None] | None) -> None:
