@@ -374,3 +374,25 @@ def test_without_event_ids_the_frames_are_vllm_serves(redis_url: str) -> None:
     finally:
         gateway.stop()
         worker.stop()
+
+
+def test_a_followers_own_ending_is_its_streams_family_error_then_end_numbered_on() -> None:
+    """What a follower whose relaying gateway died sends last (EventWriter.lost_frames), for each
+    family, from the family's name alone (a log's opening entry): the family's error event with the
+    next id, then its end marker where the family has one."""
+    import gateway.app  # noqa: F401 - every family's formatter, registered by its endpoint
+    from gateway.serve.formatter import Formatter
+    from gateway.serve.sse import EventWriter
+    from shared.errors import ServiceUnavailable
+
+    error = ServiceUnavailable("gone", param="x")
+    frames = {family: EventWriter.lost_frames(Formatter.families[family], error, 7)
+              for family in ("chat", "completions", "messages", "responses")}
+    for family in ("chat", "completions"):  # as vLLM writes an error in a stream (json.dumps), then [DONE]
+        assert frames[family] == [
+            b'data: {"error": {"message": "gone", "type": "ServiceUnavailableError", "param": "x", "code": 503}}\n'
+            b"id: 7\n\n", b"data: [DONE]\nid: 8\n\n"]
+    assert frames["messages"] == [b'event: error\ndata: {"type":"error","error":{"type":"overloaded_error",'
+                                  b'"message":"gone"}}\nid: 7\n\n']
+    assert frames["responses"] == [b'event: error\ndata: {"code":"service_unavailable","message":"gone","param":"x",'
+                                   b'"sequence_number":7,"type":"error"}\nid: 7\n\n']

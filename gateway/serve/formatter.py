@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import orjson
 from starlette.responses import Response
@@ -66,6 +66,14 @@ class Formatter:
     done_marker: bytes | None = SSE_DONE
     include_timings = False
     n = 1  # choices; a family whose formatter has its own __init__ (Anthropic, Responses) has one
+    # Each family's formatter by its `endpoint`: a follower on another gateway ends a stream whose
+    # relay died in the stream's own family (`lost_events`), with none of the formatter that began it.
+    families: ClassVar[dict[str, type[Formatter]]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "endpoint" in vars(cls):
+            Formatter.families.setdefault(cls.endpoint, cls)
 
     def __init__(self, request: Any, envelope: RequestEnvelope):
         """`request`: the family's parsed request, whose `stream_options` and `include_timings` it reads."""
@@ -107,10 +115,11 @@ class Formatter:
         """The whole non-streaming response, from the terminal chunk's candidates."""
         raise NotImplementedError
 
-    def encode(self, event: dict[str, Any]) -> bytes:
+    @classmethod
+    def encode(cls, event: dict[str, Any]) -> bytes:
         """One SSE event on the wire, as `vllm serve` writes it: compact JSON, but for an error in
         an OpenAI stream, which vLLM writes with `json.dumps` (spaces after separators)."""
-        if self.named_events:
+        if cls.named_events:
             return b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
         if "error" in event:
             return b"data: " + json.dumps(event).encode() + b"\n\n"
@@ -122,6 +131,13 @@ class Formatter:
 
     def error_events(self, error: FleetError) -> list[dict[str, Any]]:
         """The events that end a stream on an error after its first byte."""
+        return [fleet_error_body(error)]
+
+    @classmethod
+    def lost_events(cls, error: FleetError, first_id: int) -> list[dict[str, Any]]:
+        """The events that end a stream on an error, for a reader with none of the stream's state
+        (a follower whose relaying gateway died): the family's error, which in the OpenAI families
+        needs none. `first_id`: the first event's id (a Responses event's sequence number)."""
         return [fleet_error_body(error)]
 
     def _choice(self, index: int, chunk: GenerationChunk | None, finish: str | None) -> dict[str, Any]:

@@ -38,6 +38,7 @@ import math
 import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
+from typing import NamedTuple
 
 from fastapi import Request
 from redis.exceptions import RedisError
@@ -59,6 +60,7 @@ END_ID = "2-0"
 FRAME_FIELD = b"e"
 TENANT_FIELD = b"tenant"  # of the opening entry
 PRESENCE_FIELD = b"presence"  # of the opening entry: the relaying gateway's presence channel, if it holds one
+FAMILY_FIELD = b"family"  # of the opening entry: the API family of its events (`Formatter.endpoint`)
 READ_BATCH = 1000  # log entries per read
 FOLLOW_BLOCK_MS = 1000  # a follower on another replica wakes at least this often (reader mark, expiry)
 READER_CHECK_S = 1.0  # how often a resumable run with no local reader looks for one elsewhere
@@ -66,6 +68,15 @@ LISTENER_MAX_CHUNKS = 1024  # chunks held for a local reader that stopped readin
 
 # What a local listener gets: a chunk's frames with the id of the first, or None at the end.
 Frames = tuple[int, list[bytes]]
+
+
+class Opening(NamedTuple):
+    """A log's opening entry: the tenant the response is for, the presence channel of the gateway
+    relaying it ("": none held), and its events' API family ("": a log an older gateway opened)."""
+
+    tenant: str
+    presence: str
+    family: str
 
 
 class EventLog:
@@ -78,11 +89,11 @@ class EventLog:
         self.redis = redis
         self.key = keys.event_log_key(response_id)
 
-    async def open(self, tenant: str, ttl_s: int, presence: str = "") -> None:
-        """Create the log (its opening entry, naming its tenant and the presence channel of the gateway
-        that relays it), before any event is appended."""
+    async def open(self, tenant: str, ttl_s: int, presence: str = "", family: str = "") -> None:
+        """Create the log (its opening entry, naming its tenant, the presence channel of the gateway
+        that relays it and the API family of its events), before any event is appended."""
         await self.redis.pipeline(transaction=False).xadd(
-            self.key, {b"open": b"", TENANT_FIELD: tenant, PRESENCE_FIELD: presence}, id=OPEN_ID
+            self.key, {b"open": b"", TENANT_FIELD: tenant, PRESENCE_FIELD: presence, FAMILY_FIELD: family}, id=OPEN_ID
         ).expire(self.key, ttl_s).execute()
 
     async def append(self, first_id: int, frames: list[bytes], ttl_s: int) -> None:
@@ -101,14 +112,13 @@ class EventLog:
     async def exists(self) -> bool:
         return bool(await self.redis.exists(self.key))
 
-    async def opening(self) -> tuple[str, str] | None:
-        """The tenant the response is for and the presence channel of the gateway relaying it ("":
-        none held); None when no log is kept."""
+    async def opening(self) -> Opening | None:
+        """What the opening entry says; None when no log is kept."""
         opening = await self.redis.xrange(self.key, OPEN_ID, OPEN_ID)
         if not opening:
             return None
         fields = opening[0][1]
-        return fields.get(TENANT_FIELD, b"").decode(), fields.get(PRESENCE_FIELD, b"").decode()
+        return Opening(*(fields.get(name, b"").decode() for name in (TENANT_FIELD, PRESENCE_FIELD, FAMILY_FIELD)))
 
     async def read(self, after: int, block_ms: int | None = None) -> tuple[list[tuple[int, bytes]], bool]:
         """The events with an id above `after` (-1: all), up to READ_BATCH of them, and whether
@@ -168,7 +178,8 @@ class DetachedRun:
             run = await owner.enter_async_context(self.life)
             if self.log is not None:
                 try:
-                    await self.log.open(self.envelope.tenant, self._ttl_while_running(), self.envelope.gateway_presence)
+                    await self.log.open(self.envelope.tenant, self._ttl_while_running(), self.envelope.gateway_presence,
+                                        self.writer.formatter.endpoint)
                 except (RedisError, OSError) as exc:  # nobody could read it
                     raise ServiceUnavailable("The request queue is unreachable; try again shortly.") from exc
             self.fleet.detached[self.response_id] = self
@@ -319,7 +330,7 @@ async def follow(fleet: Fleet, response_id: str, after: int | None, tenant: str)
     listener = local.listen() if local is not None else None  # before the replay: nothing falls between
     try:
         opening = await events.opening()
-        if opening is None or opening[0] != tenant:
+        if opening is None or opening.tenant != tenant:
             raise NotFound(f"No events are kept for the stream `{response_id}`: it is unknown, was not "
                            "streamed, or ended too long ago.", param="response_id")
         batch, ended = await events.read(after)
@@ -332,7 +343,7 @@ async def follow(fleet: Fleet, response_id: str, after: int | None, tenant: str)
         raise
     if listener is not None:
         return _follow_here(local, listener, events, after, batch, ended)
-    return _follow_log(fleet, events, response_id, after, batch, ended, opening[1])
+    return _follow_log(fleet, events, response_id, after, batch, ended, opening)
 
 
 async def relay_gone(fleet: Fleet, response_id: str) -> bool:
@@ -340,7 +351,7 @@ async def relay_gone(fleet: Fleet, response_id: str) -> bool:
     channel it held, and nobody holds it now (one look: a gateway subscribes again within a
     second of Redis coming back, and its runs did not outlive Redis going away)."""
     opening = await EventLog(fleet.redis, response_id).opening()
-    return opening is not None and bool(opening[1]) and not await _held(fleet, opening[1])
+    return opening is not None and bool(opening.presence) and not await _held(fleet, opening.presence)
 
 
 async def _held(fleet: Fleet, presence: str) -> bool:
@@ -368,17 +379,23 @@ async def _follow_here(run: DetachedRun, listener: asyncio.Queue[Frames | None],
 
 
 async def _follow_log(fleet: Fleet, events: EventLog, response_id: str, after: int,
-                      batch: list[tuple[int, bytes]], ended: bool, presence: str) -> AsyncIterator[bytes]:
+                      batch: list[tuple[int, bytes]], ended: bool, opening: Opening) -> AsyncIterator[bytes]:
     """The events of a run relayed elsewhere, from the log, marking that a client reads it. Ends
-    early, unended, if the gateway relaying it is gone: nobody holds its presence channel (once a
-    second, for keys.GATEWAY_GONE_S), or the log expired unended."""
+    early if the gateway relaying it is gone (nobody holds its presence channel, once a second, for
+    keys.GATEWAY_GONE_S; or the log expired unended), or if this reader fell behind what the log
+    keeps: then with the family's error events and end (`_lost`), as a stream that fails does."""
     reader_key = keys.stream_reader_key(response_id)
+    presence = opening.presence
     next_mark = 0.0
     absent_since = 0.0  # when the relaying gateway's presence channel was first found with nobody
     while True:
         if batch:
             if batch[0][0] != after + 1:  # trimmed under a reader that fell far behind
                 log.warning("a follower of %s fell behind the kept events; ending its stream", response_id)
+                for lost in _lost(opening, after, ServiceUnavailable(
+                        f"This reader fell behind the events kept for the stream `{response_id}`: those after "
+                        f"{after} are no longer all kept.")):
+                    yield lost
                 return
             yield b"".join(frame for _, frame in batch)
             after = batch[-1][0]
@@ -395,11 +412,25 @@ async def _follow_log(fleet: Fleet, events: EventLog, response_id: str, after: i
                 if absent_since and now - absent_since >= keys.GATEWAY_GONE_S:
                     log.warning("the gateway relaying %s is gone (nobody holds %s); ending its follower",
                                 response_id, presence)
+                    for lost in _lost(opening, after, RELAY_GONE):
+                        yield lost
                     return
             next_mark = time.monotonic() + READER_CHECK_S
         batch, ended = await events.read(after, block_ms=FOLLOW_BLOCK_MS)
         if not batch and not ended and not await events.exists():
-            return  # expired unended: the gateway relaying it died
+            for lost in _lost(opening, after, RELAY_GONE):  # expired unended: the gateway relaying it died
+                yield lost
+            return
+
+
+RELAY_GONE = ServiceUnavailable("The gateway relaying this stream stopped before it finished; retry the request.")
+
+
+def _lost(opening: Opening, after: int, error: FleetError) -> list[bytes]:
+    """The frames that end a followed stream early, as one write: its family's error events and
+    end, numbered on from event `after`; none for a log that names no family (an older gateway's)."""
+    family = Formatter.families.get(opening.family)
+    return [b"".join(EventWriter.lost_frames(family, error, after + 1))] if family is not None else []
 
 
 async def serve_resumable(request: Request, fleet: Fleet, life: RequestLife, formatter: Formatter) -> Response:

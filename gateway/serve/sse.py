@@ -73,6 +73,15 @@ class EventWriter:
         """The family's error events, then its end: the last frames of a failed stream."""
         return self.frames(self.formatter.error_events(error)) + self.end_frames()
 
+    @classmethod
+    def lost_frames(cls, family: type[Formatter], error: FleetError, first_id: int) -> list[bytes]:
+        """The last frames of a stream that a reader with none of its state ends (a follower on
+        another gateway, its relay dead), ids from `first_id`: the family's stateless error events
+        (`Formatter.lost_events`), then its end."""
+        writer = cls(family)  # type: ignore[arg-type] - the class: its encoding and end need no state
+        writer.next_id = first_id
+        return writer.frames(family.lost_events(error, first_id)) + writer.end_frames()
+
     def _frame(self, encoded: bytes) -> bytes:
         if not self.ids:
             return encoded

@@ -121,9 +121,57 @@ def test_a_follower_of_a_dead_gateways_resumable_stream_is_let_go():
         thread.join(20)  # before, it waited for the log to expire: the run's deadline and then some
         assert not thread.is_alive(), "the follower of a dead gateway's stream was not let go"
         print(f"the follower was let go {time.monotonic() - killed_at:.1f}s after the relaying gateway's SIGKILL")
-        assert followed["status"] == 200 and "data: [DONE]" not in followed["lines"]
+        assert followed["status"] == 200
+        # It ends as a stream that fails does: the error event, then [DONE], numbered on from the last read.
+        *read, (error_id, error), (done_id, done) = _events(followed["lines"])
+        assert json.loads(error["data"])["error"]["message"].startswith("The gateway relaying this stream stopped")
+        assert done == {"data": "[DONE]"} and [error_id, done_id] == [read[-1][0] + 1, read[-1][0] + 2]
+        assert [event_id for event_id, _ in read] == list(range(len(read)))  # every event before it, in order
         wait_for(lambda: metric_value(worker.url, "llmfleet_worker_cancels_total", cause="gateway_gone") == 1, 10,
                  "the worker to stop the dead gateway's run")
+
+
+def test_a_follower_of_a_dead_gateways_background_response_gets_its_error_event():
+    """The Responses family's follower ends with the family's `error` event, its sequence number
+    its id (`response.failed` carries the output, which a follower does not have)."""
+    with _fleet() as (_server, model, worker, doomed, living):
+        created = httpx.post(f"{doomed.url}/v1/responses", timeout=30, json={
+            "model": model, "input": "ping pong", "background": True, "max_output_tokens": LONG}).json()
+        followed: dict = {"lines": []}
+
+        def follow():
+            with httpx.stream("GET", f"{living.url}/v1/responses/{created['id']}", params={"stream": "true"},
+                              timeout=120) as answer:
+                followed["status"] = answer.status_code
+                for line in answer.iter_lines():
+                    followed["lines"].append(line)
+
+        thread = threading.Thread(target=follow, daemon=True)
+        thread.start()
+        wait_for(lambda: len(followed["lines"]) > 40, 10, "the follower to read the live stream")
+        doomed.kill()
+        thread.join(20)
+        assert not thread.is_alive(), "the follower of a dead gateway's response was not let go"
+        *read, (error_id, error) = _events(followed["lines"])
+        assert followed["status"] == 200 and error["event"] == "error"
+        assert json.loads(error["data"]) == {
+            "code": "service_unavailable", "message": "The gateway relaying this stream stopped before it finished; retry "
+            "the request.", "param": None, "sequence_number": error_id, "type": "error"}
+        assert error_id == read[-1][0] + 1 and read[-1][1]["event"] == "response.output_text.delta"
+
+
+def _events(lines: list[str]) -> list[tuple[int, dict[str, str]]]:
+    """An SSE stream's events as (id, {field: value}), in order."""
+    events, fields = [], {}
+    for line in lines:
+        if not line:
+            if fields:
+                events.append((int(fields.pop("id")), fields))
+            fields = {}
+            continue
+        name, _, value = line.partition(": ")
+        fields[name] = value
+    return events
 
 
 def test_a_dead_gateways_background_response_reads_as_failed():

@@ -231,6 +231,10 @@ class MessagesFormatter(Formatter):
         return errors.error_response(error)
 
     def error_events(self, error: FleetError) -> list[dict[str, Any]]:
+        return self.lost_events(error, 0)
+
+    @classmethod
+    def lost_events(cls, error: FleetError, first_id: int) -> list[dict[str, Any]]:
         return [errors.fleet_error_body(error)[0]]
 
 

@@ -430,6 +430,13 @@ class ResponsesFormatter(Formatter):
         return events + [self._event("error", code=error.code, message=error.message, param=error.param),
                          self._event("response.failed", response=self.final)]
 
+    @classmethod
+    def lost_events(cls, error: FleetError, first_id: int) -> list[dict[str, Any]]:
+        """The `error` event alone: `response.failed` carries the output so far, which a follower
+        on another gateway does not have (a retrieve of the response reads it as failed)."""
+        return [{"code": error.code, "message": error.message, "param": error.param, "sequence_number": first_id,
+                 "type": "error"}]
+
     def _into(self, state: str, call: ToolCallDelta | None = None) -> list[dict[str, Any]]:
         """Close the open item and open one of `state`, unless it is already the open one."""
         if self.state == state and (state != "call" or call.index == self.call_index):
