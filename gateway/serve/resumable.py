@@ -383,7 +383,8 @@ async def _follow_log(fleet: Fleet, events: EventLog, response_id: str, after: i
     """The events of a run relayed elsewhere, from the log, marking that a client reads it. Ends
     early if the gateway relaying it is gone (nobody holds its presence channel, once a second, for
     keys.GATEWAY_GONE_S; or the log expired unended), or if this reader fell behind what the log
-    keeps: then with the family's error events and end (`_lost`), as a stream that fails does."""
+    keeps: then as a stream that fails ends, with its family's error events and end, numbered on
+    (none for a log that names no family: an older gateway's)."""
     reader_key = keys.stream_reader_key(response_id)
     presence = opening.presence
     next_mark = 0.0
@@ -392,11 +393,9 @@ async def _follow_log(fleet: Fleet, events: EventLog, response_id: str, after: i
         if batch:
             if batch[0][0] != after + 1:  # trimmed under a reader that fell far behind
                 log.warning("a follower of %s fell behind the kept events; ending its stream", response_id)
-                for lost in _lost(opening, after, ServiceUnavailable(
-                        f"This reader fell behind the events kept for the stream `{response_id}`: those after "
-                        f"{after} are no longer all kept.")):
-                    yield lost
-                return
+                error = ServiceUnavailable(f"This reader fell behind the events kept for the stream `{response_id}`: "
+                                           f"those after {after} are no longer all kept.")
+                break
             yield b"".join(frame for _, frame in batch)
             after = batch[-1][0]
         if ended:
@@ -412,25 +411,20 @@ async def _follow_log(fleet: Fleet, events: EventLog, response_id: str, after: i
                 if absent_since and now - absent_since >= keys.GATEWAY_GONE_S:
                     log.warning("the gateway relaying %s is gone (nobody holds %s); ending its follower",
                                 response_id, presence)
-                    for lost in _lost(opening, after, RELAY_GONE):
-                        yield lost
-                    return
+                    error = _relay_gone()
+                    break
             next_mark = time.monotonic() + READER_CHECK_S
         batch, ended = await events.read(after, block_ms=FOLLOW_BLOCK_MS)
         if not batch and not ended and not await events.exists():
-            for lost in _lost(opening, after, RELAY_GONE):  # expired unended: the gateway relaying it died
-                yield lost
-            return
-
-
-RELAY_GONE = ServiceUnavailable("The gateway relaying this stream stopped before it finished; retry the request.")
-
-
-def _lost(opening: Opening, after: int, error: FleetError) -> list[bytes]:
-    """The frames that end a followed stream early, as one write: its family's error events and
-    end, numbered on from event `after`; none for a log that names no family (an older gateway's)."""
+            error = _relay_gone()  # expired unended: the gateway relaying it died
+            break
     family = Formatter.families.get(opening.family)
-    return [b"".join(EventWriter.lost_frames(family, error, after + 1))] if family is not None else []
+    if family is not None:
+        yield b"".join(EventWriter.lost_frames(family, error, after + 1))
+
+
+def _relay_gone() -> ServiceUnavailable:
+    return ServiceUnavailable("The gateway relaying this stream stopped before it finished; retry the request.")
 
 
 async def serve_resumable(request: Request, fleet: Fleet, life: RequestLife, formatter: Formatter) -> Response:
