@@ -105,16 +105,7 @@ def test_a_follower_of_a_dead_gateways_resumable_stream_is_let_go():
         with httpx.stream("POST", f"{doomed.url}/v1/chat/completions", json=body, timeout=30) as response:
             first = next(line for line in response.iter_lines() if line.startswith("data: "))
         response_id = json.loads(first[6:])["id"]  # its client hung up: the run goes on, its events kept
-        followed: dict = {"lines": []}
-
-        def follow():
-            with httpx.stream("GET", f"{living.url}/v1/streams/{response_id}", timeout=120) as answer:
-                followed["status"] = answer.status_code
-                for line in answer.iter_lines():
-                    followed["lines"].append(line)
-
-        thread = threading.Thread(target=follow, daemon=True)
-        thread.start()
+        followed, thread = _following(f"{living.url}/v1/streams/{response_id}")
         wait_for(lambda: len(followed["lines"]) > 20, 10, "the follower to read the live stream")
         doomed.kill()
         killed_at = time.monotonic()
@@ -137,17 +128,7 @@ def test_a_follower_of_a_dead_gateways_background_response_gets_its_error_event(
     with _fleet() as (_server, model, worker, doomed, living):
         created = httpx.post(f"{doomed.url}/v1/responses", timeout=30, json={
             "model": model, "input": "ping pong", "background": True, "max_output_tokens": LONG}).json()
-        followed: dict = {"lines": []}
-
-        def follow():
-            with httpx.stream("GET", f"{living.url}/v1/responses/{created['id']}", params={"stream": "true"},
-                              timeout=120) as answer:
-                followed["status"] = answer.status_code
-                for line in answer.iter_lines():
-                    followed["lines"].append(line)
-
-        thread = threading.Thread(target=follow, daemon=True)
-        thread.start()
+        followed, thread = _following(f"{living.url}/v1/responses/{created['id']}?stream=true")
         wait_for(lambda: len(followed["lines"]) > 40, 10, "the follower to read the live stream")
         doomed.kill()
         thread.join(20)
@@ -158,6 +139,21 @@ def test_a_follower_of_a_dead_gateways_background_response_gets_its_error_event(
             "code": "service_unavailable", "message": "The gateway relaying this stream stopped before it finished; retry "
             "the request.", "param": None, "sequence_number": error_id, "type": "error"}
         assert error_id == read[-1][0] + 1 and read[-1][1]["event"] == "response.output_text.delta"
+
+
+def _following(url: str) -> tuple[dict, threading.Thread]:
+    """GET a stream at `url` in a thread: its status and lines fill in as they come."""
+    followed: dict = {"lines": []}
+
+    def follow():
+        with httpx.stream("GET", url, timeout=120) as answer:
+            followed["status"] = answer.status_code
+            for line in answer.iter_lines():
+                followed["lines"].append(line)
+
+    thread = threading.Thread(target=follow, daemon=True)
+    thread.start()
+    return followed, thread
 
 
 def _events(lines: list[str]) -> list[tuple[int, dict[str, str]]]:
