@@ -321,6 +321,14 @@ FINAL_EVENTS = {"completed": "response.completed", "incomplete": "response.incom
 LATE_FIELDS = {"response.function_call_arguments.done": ("name",)}
 
 
+def _shaped(kind: str, sequence: int, **fields: Any) -> dict[str, Any]:
+    """Event `sequence` of kind `kind`, its fields in the order of the OpenAI SDK's event types, as
+    vllm serve writes them: by name, but for a field the SDK added later (LATE_FIELDS), which comes last."""
+    fields.update(sequence_number=sequence, type=kind)
+    late = LATE_FIELDS.get(kind, ())
+    return dict(sorted(fields.items(), key=lambda field: (field[0] in late, field[0])))
+
+
 class ResponsesFormatter(Formatter):
     """Chunks -> Responses events, each with its `sequence_number`; or one Response object."""
 
@@ -389,12 +397,10 @@ class ResponsesFormatter(Formatter):
 
     # -- events --
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
-        """An event, its fields in the order of the OpenAI SDK's event types, as vllm serve writes
-        them: by name, but for a field the SDK added later (LATE_FIELDS), which comes last."""
-        fields.update(sequence_number=self.sequence, type=kind)
+        """The next event (`_shaped`)."""
+        event = _shaped(kind, self.sequence, **fields)
         self.sequence += 1
-        late = LATE_FIELDS.get(kind, ())
-        return dict(sorted(fields.items(), key=lambda field: (field[0] in late, field[0])))
+        return event
 
     def _take_usage(self, chunk: GenerationChunk) -> None:
         if chunk.usage is not None and chunk.usage.prompt_tokens:
@@ -425,17 +431,16 @@ class ResponsesFormatter(Formatter):
         return events
 
     def error_events(self, error: FleetError) -> list[dict[str, Any]]:
-        events = self._opening() + self._close()
+        events = self._opening() + self._close() + self.lost_events(error, self.sequence)
+        self.sequence += 1
         self.final = self.response_object("failed", self.output, None, error)
-        return events + [self._event("error", code=error.code, message=error.message, param=error.param),
-                         self._event("response.failed", response=self.final)]
+        return events + [self._event("response.failed", response=self.final)]
 
     @classmethod
     def lost_events(cls, error: FleetError, first_id: int) -> list[dict[str, Any]]:
         """The `error` event alone: `response.failed` carries the output so far, which a follower
         on another gateway does not have (a retrieve of the response reads it as failed)."""
-        return [{"code": error.code, "message": error.message, "param": error.param, "sequence_number": first_id,
-                 "type": "error"}]
+        return [_shaped("error", first_id, code=error.code, message=error.message, param=error.param)]
 
     def _into(self, state: str, call: ToolCallDelta | None = None) -> list[dict[str, Any]]:
         """Close the open item and open one of `state`, unless it is already the open one."""
