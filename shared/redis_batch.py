@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Coroutine
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -85,8 +85,11 @@ class BatchedRedis(aioredis.Redis):
     def call_now(self, script: AsyncScript, keys: list, args: list) -> asyncio.Task:
         """`script(keys, args)` queued at this call, as `now` queues a command. A Redis that lost
         the script (it restarted) gets it loaded, then called again, out of that order."""
-        return asyncio.ensure_future(_reloading(self.now("EVALSHA", script.sha, len(keys), *keys, *args),
-                                                script, keys, args))
+        return asyncio.ensure_future(self.script_now(script, keys, args))
+
+    def script_now(self, script: AsyncScript, keys: list, args: list) -> Coroutine[Any, Any, Any]:
+        """`call_now`'s call as a coroutine, for a caller that awaits it where it stands (no task)."""
+        return _reloading(self.now("EVALSHA", script.sha, len(keys), *keys, *args), script, keys, args)
 
     def pipeline(self, transaction: bool = True, shard_hint: str | None = None) -> Pipeline:
         if transaction:

@@ -12,6 +12,10 @@ request lost, and the worker aborts it and publishes nothing more for it. What i
 put on the wire can still land when the link comes back: every chunk carries its lease's
 fencing token (Redis's clock when the lease was taken), and gateways drop chunks of a lease
 older than one they have heard from.
+
+A lease is held from when it was asked for: the thread also renews a lease whose reply is late
+(ASKED_RENEW_AFTER_S, a loop held up between the ask and the reply, say by another request's
+render), so a stall there loses nothing either. A renewal counts only where Redis found the key.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import redis
 
@@ -36,6 +40,11 @@ RENEW_TIMEOUT_S = 2.0  # the renewing connection's socket timeout
 # A heartbeat this recent keeps its key alive: the key's TTL (HEARTBEAT_TTL_S) outlasts it by more
 # than one renewal interval, so a stalled loop's key is renewed here before it lapses.
 BEAT_TRUST_S = keys.HEARTBEAT_TTL_S - keys.HEARTBEAT_INTERVAL_S * 1.5
+# A lease's reply this late means a loop held up (a round trip takes a millisecond): the thread
+# renews the lease meanwhile. Less than LEASE_TTL_S - MARGIN_S by more than one renewal interval,
+# so a renewal reaches the key before it lapses; never a reply that is merely on its way, so
+# nothing but a stall can lengthen a key the ask did not take (another worker's).
+ASKED_RENEW_AFTER_S = 0.5
 
 # KEYS: a request's lease, its stashed cancel, its streamed count (one slot: the request's); ARGV:
 # worker id, TTL in seconds. Takes the lease if nobody holds it and returns its fencing token, Redis's
@@ -48,15 +57,27 @@ local now = redis.call('TIME')
 return {tonumber(now[1]) * 1000000 + tonumber(now[2]), redis.call('GETDEL', KEYS[2]), redis.call('GET', KEYS[3])}
 """
 
+# KEYS: a request's lease; ARGV: worker id, TTL in seconds. Renews the lease if this worker holds
+# it (1), else 0: a lease whose reply came too late to trust the ask's clock (`Leases._taken`).
+_CONFIRM = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('EXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+
 
 class Leases:
     def __init__(self, batched: BatchedRedis, worker_id: str):
         self.worker_id = worker_id
+        self._batched = batched
         self._take = batched.register_script(_TAKE)
+        self._confirm = batched.register_script(_CONFIRM)
         # Request id -> when (monotonic) its lease may lapse, less MARGIN_S: the last renewal Redis
         # confirmed was sent LEASE_TTL_S before that. Only leases still held are here. Shared
-        # with the renewing thread, under the lock.
+        # with the renewing thread, under the lock, as is `_asked`.
         self._until: dict[str, float] = {}
+        # Request id -> when (monotonic) its lease was asked for, or last renewed while its reply
+        # was out: what it holds from if taken.
+        self._asked: dict[str, float] = {}
         self._lock = threading.Lock()
         self.lost: set[str] = set()
         self.loop_seen = time.monotonic()  # the event loop's last turn in `watch`
@@ -64,20 +85,46 @@ class Leases:
         self._stop_keeping = threading.Event()
         self._keeper: threading.Thread | None = None
 
-    async def take(self, request_id: str) -> tuple[int, bytes | None, bytes | None]:
+    def take(self, request_id: str) -> Awaitable[tuple[int, bytes | None, bytes | None]]:
         """Take the lease: its fencing token, the cancel stashed for the request while it was queued
         and the count of its runs that reached a client (`keys.streamed_key`); a token of 0 (and
-        nothing else) if another worker holds it. One command, for a request's three reads."""
-        token, *found = await self._take(keys=[keys.lease_key(request_id), keys.cancelled_key(request_id),
-                                               keys.streamed_key(request_id)],
-                                         args=[self.worker_id, keys.LEASE_TTL_S])
+        nothing else) if another worker holds it. One command, for a request's three reads,
+        queued at this call: ahead of what the caller starts next (an encoding's first step),
+        whatever that holds the loop for. Taken, the lease is held from now (or its last renewal
+        while the reply was out) and renewed until `forget`."""
+        with self._lock:
+            self._asked[request_id] = time.monotonic()
+        reply = self._batched.script_now(self._take, [keys.lease_key(request_id), keys.cancelled_key(request_id),
+                                                      keys.streamed_key(request_id)],
+                                         [self.worker_id, keys.LEASE_TTL_S])
+        return self._taken(request_id, reply)
+
+    async def _taken(self, request_id: str, reply: Awaitable[list]) -> tuple[int, bytes | None, bytes | None]:
+        """The take's reply. One this late (a loop held up, and the ask perhaps written only after
+        it) says when the lease was taken no better than that it was: it is renewed if it is still
+        this worker's, or counted as another's (a token of 0) if it lapsed meanwhile."""
+        token, found = 0, []
+        try:
+            token, *found = await reply
+            # One entry read: atomic under the GIL. None: forgotten meanwhile (the request ended).
+            asked = self._asked.get(request_id)
+            if token and asked is not None and time.monotonic() - asked >= ASKED_RENEW_AFTER_S:
+                confirming = time.monotonic()
+                if not await self._confirm(keys=[keys.lease_key(request_id)], args=[self.worker_id, keys.LEASE_TTL_S]):
+                    log.warning("request %s: its lease lapsed before its reply was read; leaving it to "
+                                "whoever takes it", request_id)
+                    token, found = 0, []
+                else:
+                    with self._lock:
+                        if request_id in self._asked:
+                            self._asked[request_id] = confirming
+        finally:
+            with self._lock:
+                asked = self._asked.pop(request_id, None)
+                if asked is not None and token:
+                    self._until[request_id] = asked + keys.LEASE_TTL_S - MARGIN_S
         stashed, streamed = found or (None, None)
         return token, stashed, streamed
-
-    def hold(self, request_id: str, asked: float) -> None:
-        """The lease asked for at `asked` (monotonic) was taken."""
-        with self._lock:
-            self._until[request_id] = asked + keys.LEASE_TTL_S - MARGIN_S
 
     def give_up(self, request_id: str) -> None:
         """Stop renewing a held lease and count the request lost here: it is another worker's to take."""
@@ -89,6 +136,7 @@ class Leases:
         """The request has ended here."""
         with self._lock:
             self._until.pop(request_id, None)
+            self._asked.pop(request_id, None)
         self.lost.discard(request_id)
 
     def start_keeping(self, client: redis.Redis | redis.RedisCluster, heartbeat_key: str) -> None:
@@ -123,26 +171,29 @@ class Leases:
                 continue
             stalled_said = False
             with self._lock:
-                held = list(self._until)
-            if not held and sent - self.beat_at < BEAT_TRUST_S:
+                leases = [*self._until, *(rid for rid, at in self._asked.items() if sent - at >= ASKED_RENEW_AFTER_S)]
+            if not leases and sent - self.beat_at < BEAT_TRUST_S:
                 continue  # nothing to renew, and the heartbeat's own writes keep its key alive
             pipe = client.pipeline(transaction=False)
-            for request_id in held:
+            for request_id in leases:
                 pipe.expire(keys.lease_key(request_id), keys.LEASE_TTL_S)
             pipe.expire(heartbeat_key, keys.HEARTBEAT_TTL_S)
             try:
-                pipe.execute()
+                *renewed, _beat = pipe.execute()
             except (redis.RedisError, OSError) as exc:
-                log.warning("renewing %d leases failed: %s", len(held), exc)
+                log.warning("renewing %d leases failed: %s", len(leases), exc)
                 continue
-            self._renewed(held, sent)
+            self._renewed([rid for rid, found in zip(leases, renewed, strict=True) if found], sent)
 
     def _renewed(self, request_ids: list[str], at: float) -> None:
-        """Redis confirmed the renewals sent at `at`: those leases hold until LEASE_TTL_S after it."""
+        """Redis renewed, at `at` or after, the leases of these requests (their keys were there):
+        they hold until LEASE_TTL_S after it. A lease whose key had lapsed holds no longer."""
         with self._lock:
             for request_id in request_ids:
                 if request_id in self._until:  # not lost meanwhile: a late renewal revives nothing
                     self._until[request_id] = max(self._until[request_id], at + keys.LEASE_TTL_S - MARGIN_S)
+                elif request_id in self._asked:  # its reply still out
+                    self._asked[request_id] = max(self._asked[request_id], at)
 
     async def watch(self, stopping, on_lost: Callable[[str], None]) -> None:
         """Report each held lease that may lapse: Redis has not confirmed a renewal (this worker is

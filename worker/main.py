@@ -239,7 +239,7 @@ def _scripted_adapter(settings: WorkerSettings) -> Adapter:
         from worker.adapters.scripted_encoder import ScriptedEncoder
 
         return ScriptedEncoder(settings.name, settings.max_model_len or 4096, settings.convert,
-                               settings.scripted_seconds_per_input)
+                               settings.scripted_seconds_per_input, loop_stall=settings.scripted_loop_stall)
     from worker.adapters.scripted import ScriptedAdapter
 
     return ScriptedAdapter(settings.name, settings.max_model_len or 4096, settings.scripted_tokens_per_second,

@@ -132,18 +132,17 @@ class Runner:
     async def _run(self, stream: str, entry_id: str, request: RequestEnvelope, reclaimed: bool) -> None:
         REQUEST_ID.set(request.client_request_id or request.request_id)  # this task's log lines (shared.logs)
         metrics.IN_FLIGHT.labels(self.model).set(self.in_flight)
-        asked = time.monotonic()
         queued = max(0.0, time.time() - request.arrival)
+        taking = self.leases.take(request.request_id)  # on the wire before an early encoding's first step
         early = self._encode_early(request, reclaimed)
         try:
             try:
-                lease, stashed, streamed = await self.leases.take(request.request_id)
+                lease, stashed, streamed = await taking
             except RedisError as exc:  # leave the entry pending, for a retry
                 log.warning("could not lease request %s (%s); leaving it for a retry", request.request_id, exc)
                 return
             if not lease:
                 return  # its worker is alive and holds the lease (and owns any cancel that came meanwhile)
-            self.leases.hold(request.request_id, asked)
             self.publisher.hold(request.request_id, lease, (stream, entry_id))
             if reclaimed:
                 metrics.RECLAIMED.labels(self.model).inc()

@@ -110,8 +110,9 @@ class WorkerSettings:
     # The scripted engine.
     scripted_tokens_per_second: float = setting(0.0, "Scripted engine: its pace (0: no pause).")
     scripted_first_token_delay: float = setting(0.0, "Scripted engine: seconds before its first token.")
-    scripted_loop_stall: float = setting(0.0, "Scripted engine: seconds each request's first token holds the worker's "
-                                         "event loop with a blocking call, as a busy engine's input processing can.")
+    scripted_loop_stall: float = setting(0.0, "Scripted engine: seconds each request's first token (an encoding: its "
+                                         "start) holds the worker's event loop with a blocking call, as a busy "
+                                         "engine's input processing can.")
     scripted_prefill_per_token: float = setting(0.0, "Scripted engine: seconds of prefill per prompt token not in its "
                                                 "simulated prefix cache (0: no cache, no prefill time).")
     scripted_seconds_per_input: float = setting(0.0, "Scripted engine with --runner pooling: seconds each input "

@@ -52,3 +52,38 @@ def test_a_worker_whose_event_loop_stalls_keeps_its_requests(redis_url, redis_cl
         for proc in (gateway, staller, rescuer):
             if proc is not None:
                 proc.stop()
+
+
+def test_a_worker_whose_encoding_stalls_its_event_loop_keeps_the_request(redis_url, redis_client):
+    """An encoding goes to its engine while its lease is taken (worker/runner.py, `_encode_early`),
+    and here its start holds the loop past the lease's TTL: the lease's ask is written first and
+    renewed through the stall, so the worker that claimed the request answers it, and the other
+    worker's sweeps, which find its entry idle, leave it alone."""
+    model = f"stalling-embed-{uuid.uuid4().hex[:6]}"
+    gateway = start_gateway(redis_url)
+    staller = start_worker(redis_url, model, "--runner", "pooling", "--scripted-loop-stall", str(STALL_S))
+    rescuer = None
+    try:
+        wait_until_served(gateway, model)
+        answer: dict = {}
+
+        def ask():
+            answer["response"] = httpx.post(f"{gateway.url}/v1/embeddings", json={"model": model, "input": "hold on"},
+                                            timeout=60)
+
+        asking = threading.Thread(target=ask)
+        asking.start()
+        wait_for(lambda: redis_client.xpending(keys.request_stream(model), keys.WORKER_GROUP)["pending"], 10,
+                 "the stalling worker to claim the request")
+        rescuer = start_worker(redis_url, model, "--runner", "pooling", "--claim-idle", "1")
+        asking.join(60)
+        response = answer["response"]
+        assert response.status_code == 200, response.text
+        [embedding] = response.json()["data"]
+        assert len(embedding["embedding"]) > 0 and response.json()["usage"]["prompt_tokens"] == 2
+        assert metric_value(rescuer.url, "llmfleet_worker_reclaimed_total") == 0
+        assert metric_value(staller.url, "llmfleet_worker_encoded_inputs_total") == 1
+    finally:
+        for proc in (gateway, staller, rescuer):
+            if proc is not None:
+                proc.stop()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
+import time
 from typing import Any
 
 import numpy as np
@@ -106,14 +107,17 @@ class ScriptedEncoder(EncoderAdapter):
     engine_name = "scripted"
 
     def __init__(self, served_model_name: str, max_model_len: int = 4096, convert: str = "embed",
-                 seconds_per_input: float = 0.0, dimensions: int = DIMENSIONS):
+                 seconds_per_input: float = 0.0, dimensions: int = DIMENSIONS, loop_stall: float = 0.0):
         super().__init__(served_model_name, max_model_len)
         self.kinds = CONVERTS["classify" if convert == "classify" else "embed"]
         self.seconds_per_input = seconds_per_input
+        self.loop_stall = loop_stall  # seconds each encoding blocks the loop as it begins (a long render)
         self.dimensions = dimensions
         self._engine = asyncio.Lock()  # the compute its requests share
 
     async def encode(self, request: RequestEnvelope) -> GenerationChunk:
+        if self.loop_stall:
+            time.sleep(self.loop_stall)  # blocking on purpose: nothing else on the loop runs meanwhile
         metrics.ENCODE_CALL_REQUESTS.labels(self.served_model_name, request.kind).observe(1)  # each alone
         body, untruncated_max = _cohere_as_vllm_reads_it(request.body) if request.api == "cohere" \
             else (request.body, None)
