@@ -101,9 +101,9 @@ class Leases:
 
     async def _taken(self, request_id: str, reply: Awaitable[list]) -> tuple[int, bytes | None, bytes | None]:
         """The take's reply. One this late (a loop held up, and the ask perhaps written only after
-        it) says when the lease was taken no better than that it was: it is renewed if it is still
-        this worker's, or counted as another's (a token of 0) if it lapsed meanwhile."""
-        token, found = 0, []
+        it) says that the lease was taken, not when: it is renewed if it is still this worker's, or
+        counted as another's (a token of 0) if it lapsed meanwhile."""
+        token, found, held = 0, [], False
         try:
             token, *found = await reply
             # One entry read: atomic under the GIL. None: forgotten meanwhile (the request ended).
@@ -118,10 +118,11 @@ class Leases:
                     with self._lock:
                         if request_id in self._asked:
                             self._asked[request_id] = confirming
+            held = bool(token)
         finally:
             with self._lock:
                 asked = self._asked.pop(request_id, None)
-                if asked is not None and token:
+                if held and asked is not None:
                     self._until[request_id] = asked + keys.LEASE_TTL_S - MARGIN_S
         stashed, streamed = found or (None, None)
         return token, stashed, streamed

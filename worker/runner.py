@@ -133,7 +133,7 @@ class Runner:
         REQUEST_ID.set(request.client_request_id or request.request_id)  # this task's log lines (shared.logs)
         metrics.IN_FLIGHT.labels(self.model).set(self.in_flight)
         queued = max(0.0, time.time() - request.arrival)
-        taking = self.leases.take(request.request_id)  # on the wire before an early encoding's first step
+        taking = self.leases.take(request.request_id)  # queued before an early encoding's first step
         early = self._encode_early(request, reclaimed)
         try:
             try:
