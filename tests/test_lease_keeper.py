@@ -117,3 +117,20 @@ async def test_a_lease_that_lapsed_before_its_late_reply_was_read_is_not_taken(r
         assert not client.exists(keys.lease_key(request_id))  # it was taken, and lapsed
         assert await taking == (0, None, None)
         assert await lost_after_a_turn(leases) == []  # never held: nothing to lose
+
+
+async def test_a_held_lease_whose_key_is_gone_is_lost_though_the_thread_renews(redis_url):
+    """Its key deleted (a gateway took the lease back from a worker it judged dead; a Redis that
+    restarted empty): a renewal finds nothing, so the lease lapses and the worker stops the request."""
+    async with leasing(redis_url, keeping=True) as (leases, client):
+        request_id = uuid.uuid4().hex
+        token, _stashed, _streamed = await leases.take(request_id)
+        assert token
+        client.delete(keys.lease_key(request_id))
+        lost: list[str] = []
+        stopping = asyncio.Event()
+        watching = asyncio.create_task(leases.watch(stopping, lost.append))
+        await asyncio.sleep(keys.LEASE_TTL_S)
+        stopping.set()
+        await watching
+        assert lost == [request_id]
