@@ -65,12 +65,12 @@ async def leasing(redis_url: str, keeping: bool):
         client.close()
 
 
-async def lost_after_a_turn(leases: Leases) -> list[str]:
-    """What `watch` reports lost in its first turns."""
+async def reported_lost(leases: Leases, seconds: float = 0.3) -> list[str]:
+    """What `watch` reports lost in its turns of the next `seconds`."""
     lost: list[str] = []
     stopping = asyncio.Event()
     watching = asyncio.create_task(leases.watch(stopping, lost.append))
-    await asyncio.sleep(0.3)
+    await asyncio.sleep(seconds)
     stopping.set()
     await watching
     return lost
@@ -87,7 +87,7 @@ async def test_a_lease_whose_reply_a_stalled_loop_reads_late_is_kept_through_the
         assert client.get(keys.lease_key(request_id)) == leases.worker_id.encode()
         token, _stashed, _streamed = await taking
         assert token
-        assert await lost_after_a_turn(leases) == []
+        assert await reported_lost(leases) == []
         client.delete(keys.lease_key(request_id))
 
 
@@ -102,7 +102,7 @@ async def test_a_lease_asked_for_only_after_a_stall_is_held_from_when_it_was_tak
         token, _stashed, _streamed = await taking
         assert token
         assert client.pttl(keys.lease_key(request_id)) > (keys.LEASE_TTL_S - 0.5) * 1000
-        assert await lost_after_a_turn(leases) == []
+        assert await reported_lost(leases) == []
         client.delete(keys.lease_key(request_id))
 
 
@@ -116,7 +116,7 @@ async def test_a_lease_that_lapsed_before_its_late_reply_was_read_is_not_taken(r
         time.sleep(keys.LEASE_TTL_S + 0.5)
         assert not client.exists(keys.lease_key(request_id))  # it was taken, and lapsed
         assert await taking == (0, None, None)
-        assert await lost_after_a_turn(leases) == []  # never held: nothing to lose
+        assert await reported_lost(leases) == []  # never held: nothing to lose
 
 
 async def test_a_held_lease_whose_key_is_gone_is_lost_though_the_thread_renews(redis_url):
@@ -127,10 +127,4 @@ async def test_a_held_lease_whose_key_is_gone_is_lost_though_the_thread_renews(r
         token, _stashed, _streamed = await leases.take(request_id)
         assert token
         client.delete(keys.lease_key(request_id))
-        lost: list[str] = []
-        stopping = asyncio.Event()
-        watching = asyncio.create_task(leases.watch(stopping, lost.append))
-        await asyncio.sleep(keys.LEASE_TTL_S)
-        stopping.set()
-        await watching
-        assert lost == [request_id]
+        assert await reported_lost(leases, keys.LEASE_TTL_S) == [request_id]
