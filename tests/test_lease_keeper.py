@@ -108,15 +108,20 @@ async def test_a_lease_asked_for_only_after_a_stall_is_held_from_when_it_was_tak
 
 async def test_a_lease_that_lapsed_before_its_late_reply_was_read_is_not_taken(redis_url):
     """Nothing renewed it (no thread here): by the time its reply is read another worker could
-    hold it, so the worker counts it another's and runs nothing of it."""
+    hold it, so the worker counts it another's and runs nothing of it; the cancel stashed for the
+    request, which the take consumed, is put back for whoever takes it."""
     async with leasing(redis_url, keeping=False) as (leases, client):
         request_id = uuid.uuid4().hex
+        client.set(keys.cancelled_key(request_id), b"disconnect", ex=60)
         taking = leases.take(request_id)
         await leases._batched.sent()
         time.sleep(keys.LEASE_TTL_S + 0.5)
         assert not client.exists(keys.lease_key(request_id))  # it was taken, and lapsed
+        assert not client.exists(keys.cancelled_key(request_id))  # and its cancel consumed
         assert await taking == (0, None, None)
+        assert client.get(keys.cancelled_key(request_id)) == b"disconnect"
         assert await reported_lost(leases) == []  # never held: nothing to lose
+        client.delete(keys.cancelled_key(request_id))
 
 
 async def test_a_held_lease_whose_key_is_gone_is_lost_though_the_thread_renews(redis_url):

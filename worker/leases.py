@@ -57,10 +57,13 @@ local now = redis.call('TIME')
 return {tonumber(now[1]) * 1000000 + tonumber(now[2]), redis.call('GETDEL', KEYS[2]), redis.call('GET', KEYS[3])}
 """
 
-# KEYS: a request's lease; ARGV: worker id, TTL in seconds. Renews the lease if this worker holds
-# it (1), else 0: a lease whose reply came too late to trust the ask's clock (`Leases._taken`).
+# KEYS: a request's lease, its stashed cancel; ARGV: worker id, TTL in seconds, the cancel the take
+# consumed ('' if none), its TTL. Renews the lease if this worker holds it (1); else puts the cancel
+# back for whoever takes the request, and 0. For a lease whose reply came too late to trust the
+# ask's clock (`Leases._taken`).
 _CONFIRM = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('EXPIRE', KEYS[1], ARGV[2]) end
+if ARGV[3] ~= '' then redis.call('SET', KEYS[2], ARGV[3], 'NX', 'EX', ARGV[4]) end
 return 0
 """
 
@@ -103,27 +106,25 @@ class Leases:
         """The take's reply. One this late (a loop held up, and the ask perhaps written only after
         it) says that the lease was taken, not when: it is renewed if it is still this worker's, or
         counted as another's (a token of 0) if it lapsed meanwhile."""
-        token, found, held = 0, [], False
+        token, found, held, confirmed = 0, [], False, 0.0
         try:
             token, *found = await reply
             # One entry read: atomic under the GIL. None: forgotten meanwhile (the request ended).
             asked = self._asked.get(request_id)
             if token and asked is not None and time.monotonic() - asked >= ASKED_RENEW_AFTER_S:
-                confirming = time.monotonic()
-                if not await self._confirm(keys=[keys.lease_key(request_id)], args=[self.worker_id, keys.LEASE_TTL_S]):
+                confirmed = time.monotonic()
+                if not await self._confirm(keys=[keys.lease_key(request_id), keys.cancelled_key(request_id)],
+                                           args=[self.worker_id, keys.LEASE_TTL_S, found[0] or b"",
+                                                 keys.CANCEL_MEMORY_TTL_S]):
                     log.warning("request %s: its lease lapsed before its reply was read; leaving it to "
                                 "whoever takes it", request_id)
                     token, found = 0, []
-                else:
-                    with self._lock:
-                        if request_id in self._asked:
-                            self._asked[request_id] = confirming
             held = bool(token)
         finally:
             with self._lock:
                 asked = self._asked.pop(request_id, None)
                 if held and asked is not None:
-                    self._until[request_id] = asked + keys.LEASE_TTL_S - MARGIN_S
+                    self._until[request_id] = max(asked, confirmed) + keys.LEASE_TTL_S - MARGIN_S
         stashed, streamed = found or (None, None)
         return token, stashed, streamed
 
