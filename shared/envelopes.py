@@ -122,7 +122,7 @@ class RequestEnvelope(Envelope):
     request_id: Id
     model: Id
     kind: Kind
-    reply_to: Id  # the gateway's reply stream
+    reply_to: Id  # the gateway's reply stream (where `reply_channel` is not given)
     arrival: Seconds  # wall-clock seconds when the gateway accepted the request
     deadline: Seconds = 0.0  # wall-clock seconds; 0 means none
     stream: bool = False  # False: the worker sends one terminal chunk with candidates
@@ -147,6 +147,12 @@ class RequestEnvelope(Envelope):
     # stops a request whose gateway has gone (worker/cancels.py). "": none held (a cluster's nodes count
     # a channel's subscribers each for itself), or a gateway from before it.
     gateway_presence: str = ""
+    # Where its worker publishes its replies (PUBLISH, batches of envelopes): its gateway's presence
+    # channel, read as it comes in (gateway/fleet/relay.py); but an answer in one envelope too large
+    # for a channel goes to `reply_to` (worker/publisher.py). "": every reply to `reply_to` (a
+    # cluster, or a gateway from before it; a worker from before it writes there anyway, and the
+    # gateway reads both).
+    reply_channel: str = ""
 
     @property
     def prompts(self) -> list:

@@ -19,25 +19,30 @@ waiting round trip, a write and a wake-up per round trip. Through the stream rea
 µs against 47-54, an XADD 64-67 against 43-47). redis-py still connects, authenticates, finds a
 Sentinel's primary and disconnects it; a connection whose redis-py keeps these elsewhere is read
 through `read_response`, as before.
+
+`Subscription` holds one channel the same way: a connection of the pool, subscribed, whose socket
+is read by hiredis alone and whose messages go to a callback as they come, in the loop's own read
+of the socket: no task and no command per message (a gateway's reply channel, gateway/fleet/relay.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import hiredis
 import redis.asyncio as aioredis
 from redis._parsers.hiredis import NOT_ENOUGH_DATA  # what redis-py's hiredis reader gives for a partial reply
 from redis.asyncio.cluster import RedisCluster
-from redis.commands.core import BasicKeyCommands, HashCommands, StreamCommands
+from redis.commands.core import BasicKeyCommands, HashCommands, PubSubCommands, StreamCommands
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 
-class Commands(StreamCommands, BasicKeyCommands, HashCommands):
+class Commands(StreamCommands, BasicKeyCommands, HashCommands, PubSubCommands):
     """Commands queued for one round trip, built by redis-py's command methods (`xadd`, `set`,
-    `delete`, `xack`, `xdel`, `hdel`, ...) as a pipeline would queue them; their replies are not
+    `delete`, `xack`, `xdel`, `hdel`, `publish`, ...) as a pipeline would queue them; their replies are not
     parsed (a loop that sends them reads none)."""
 
     def __init__(self) -> None:
@@ -174,6 +179,106 @@ class _Replies(asyncio.Protocol):
         self.lost = self.lost or error
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_exception(error)
+
+
+class Subscription(asyncio.Protocol):
+    """One channel's messages, each handed to `on_message` as its bytes are read: a connection of a
+    client's pool, held and subscribed (`open`), whose socket this reads with a hiredis reader of its
+    own. `lost` resolves when the subscription ends: the connection lost, or `close`. A link that
+    goes quiet without closing (a partitioned network) is found by `check`: a PING once nothing has
+    come for `quiet_s`, and the subscription closed if nothing answers it within `timeout_s`.
+
+    Only on one server (see the module's docstring); a Redis that refuses the subscription (an ACL
+    without the channel) raises its error from `open`."""
+
+    def __init__(self, pool, connection, transport: asyncio.Transport,
+                 on_message: Callable[[bytes], None]) -> None:
+        self.pool = pool
+        self.connection = connection
+        self.transport = transport
+        self.stream_protocol = transport.get_protocol()  # told of the socket's end, for `disconnect`
+        self.on_message = on_message
+        self.reader = hiredis.Reader(replyError=ResponseError)
+        loop = asyncio.get_running_loop()
+        self.subscribed: asyncio.Future[None] = loop.create_future()
+        self.lost: asyncio.Future[Exception] = loop.create_future()  # why it ended
+        self.heard_at = loop.time()
+        self.pinged_at = 0.0  # when the PING now unanswered went out; 0: none is
+
+    @classmethod
+    async def open(cls, client: aioredis.Redis, channel: str, on_message: Callable[[bytes], None],
+                   timeout_s: float = 5.0) -> Subscription:
+        pool = client.connection_pool
+        connection = await pool.get_connection()
+        subscription = None
+        try:
+            if not connection.is_connected:
+                await connection.connect()
+            writer = getattr(connection, "_writer", None)
+            if writer is None:
+                raise RedisConnectionError("this redis-py keeps its connection's socket where llmfleet cannot read it")
+            subscription = cls(pool, connection, writer.transport, on_message)
+            writer.transport.set_protocol(subscription)
+            writer.transport.write(hiredis.pack_command(("SUBSCRIBE", channel)))
+            await asyncio.wait_for(asyncio.shield(subscription.subscribed), timeout_s)
+        except BaseException:
+            if subscription is not None:
+                subscription.transport.abort()
+            await connection.disconnect()
+            await pool.release(connection)
+            raise
+        return subscription
+
+    async def close(self) -> None:
+        """End the subscription; its connection goes back to the pool unconnected."""
+        self.transport.close()
+        await self.connection.disconnect()
+        await self.pool.release(self.connection)
+
+    def check(self, quiet_s: float, timeout_s: float) -> None:
+        """Ping a link that has been quiet for `quiet_s`; close one whose ping went unanswered for `timeout_s`."""
+        now = asyncio.get_running_loop().time()
+        if self.pinged_at and now - self.pinged_at > timeout_s:
+            self._end(RedisConnectionError(f"Redis did not answer a PING in {timeout_s:.0f}s"))
+            self.transport.abort()
+        elif not self.pinged_at and now - self.heard_at > quiet_s:
+            self.pinged_at = now
+            self.transport.write(_PING)
+
+    def data_received(self, data: bytes) -> None:
+        self.heard_at = asyncio.get_running_loop().time()
+        self.pinged_at = 0.0
+        self.reader.feed(data)
+        try:
+            while (reply := self.reader.gets()) is not False:
+                if isinstance(reply, ResponseError):  # the subscription refused
+                    self._end(reply)
+                elif not isinstance(reply, list):  # a PING's answer in RESP3 (in RESP2: [b"pong", b""])
+                    continue
+                elif reply[0] == b"message":
+                    self.on_message(reply[2])
+                elif reply[0] == b"subscribe" and not self.subscribed.done():
+                    self.subscribed.set_result(None)
+        except Exception as exc:  # noqa: BLE001 - unreadable, or the callback failed: the subscription ends
+            self._end(exc)
+            self.transport.abort()
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._end(RedisConnectionError(f"Connection to Redis lost: {exc}" if exc else "Connection closed by server."))
+        self.stream_protocol.connection_lost(exc)
+
+    def _end(self, error: Exception) -> None:
+        if not self.subscribed.done():
+            self.subscribed.set_exception(error)
+            self.subscribed.exception()  # retrieved: `open` raises it, if it still waits
+        if not self.lost.done():
+            self.lost.set_result(error)
+
+
+_PING = hiredis.pack_command(("PING",))
 
 
 def _ended(connection) -> bool:

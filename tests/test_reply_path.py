@@ -1,5 +1,6 @@
-"""The reply path on a real Redis: a worker's `ReplyPublisher` → reply streams → a gateway's
-`ReplyRouter`, without processes in between: batched entries, old gateways, acks, malformed data."""
+"""The reply path on a real Redis: a worker's `ReplyPublisher` → a gateway's channel or reply
+stream → its `ReplyRouter`, without processes in between: batched entries, old gateways, acks,
+malformed data, a channel lost or gone quiet."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import io
 import uuid
 
 import msgpack
+import msgspec
 import pytest
 import redis.asyncio as aioredis
 
@@ -16,7 +18,8 @@ from gateway.fleet.relay import READ_BLOCK_MS, ReplyRouter
 from shared import keys
 from shared.codec import decode, decode_batch, encode, encode_batch
 from shared.envelopes import ChunkEnvelope, GenerationChunk, RequestEnvelope
-from worker.publisher import ReplyPublisher
+from shared.redis_direct import Subscription
+from worker.publisher import CHANNEL_ANSWER_LIMIT_BYTES, ReplyPublisher
 
 
 def _request(gateway_id: str, batch: bool) -> RequestEnvelope:
@@ -251,3 +254,87 @@ async def test_deltas_wait_out_the_pause_merged_but_a_first_output_ends_it(redis
         other = await asyncio.wait_for(queues[newcomer.request_id].get(), 5)
     assert [(e.seq, [c.text for c in e.chunks]) for e in (first, merged, other)] == [(0, ["a"]), (1, ["bc"]),
                                                                                      (0, ["x"])]
+
+
+@contextlib.asynccontextmanager
+async def subscribed(redis: aioredis.Redis, gateway: str):
+    """A router reading its reply stream and holding its channel (`hold_presence`), once both are in place."""
+    router = ReplyRouter(redis, gateway)
+    holding = asyncio.create_task(router.hold_presence())
+    try:
+        async with reading(router):
+            await _until(lambda: router.presence)
+            yield router
+    finally:
+        router.stop()
+        await asyncio.wait_for(holding, STOP_WITHIN_S)
+
+
+async def _until(condition, within_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + within_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "not within the time allowed"
+        await asyncio.sleep(0.01)
+
+
+async def test_replies_come_on_the_gateways_channel_but_a_large_whole_answer_by_its_stream(redis_url: str) -> None:
+    """A request naming its gateway's channel has its replies published there, a stream's large
+    deltas too (their order is one with the rest); only an answer in one envelope larger than
+    CHANNEL_ANSWER_LIMIT_BYTES goes to the reply stream. Every reply reaches its route, in order."""
+    redis = aioredis.Redis.from_url(redis_url)
+    gateway = uuid.uuid4().hex
+    big = "v" * (CHANNEL_ANSWER_LIMIT_BYTES + 1)
+    async with subscribed(redis, gateway) as router:
+        streaming, large, small = (msgspec.structs.replace(_request(gateway, True), reply_channel=router.presence,
+                                                           stream=stream) for stream in (True, False, False))
+        queues = {r.request_id: router.open(r.request_id) for r in (streaming, large, small)}
+        publisher = ReplyPublisher(redis, "w1")
+        async with running(publisher):
+            publisher.publish(streaming, GenerationChunk(text="a", token_count=1))
+            await asyncio.wait_for(queues[streaming.request_id].get(), 5)
+            publisher.publish(streaming, GenerationChunk(text=big, token_count=1))
+            publisher.finish(streaming, GenerationChunk(done=True, finish_reason="stop"), None)
+            publisher.finish(large, GenerationChunk(done=True, finish_reason="stop", text=big), None)
+            publisher.finish(small, GenerationChunk(done=True, finish_reason="stop", text="s"), None)
+            received = {rid: [await asyncio.wait_for(queue.get(), 5)] for rid, queue in queues.items()}
+    assert [(e.seq, [len(c.text) for c in e.chunks]) for e in received[streaming.request_id]] == [(1, [len(big), 0])]
+    assert [len(e.chunks[0].text) for e in received[large.request_id] + received[small.request_id]] == [len(big), 1]
+    in_stream = [decode(ChunkEnvelope, fields[keys.ENVELOPE_FIELD]).request_id
+                 for fields in await _entries(redis, keys.reply_stream(gateway))]
+    assert in_stream == [large.request_id]
+    await redis.delete(keys.reply_stream(gateway), *(keys.streamed_key(streaming.request_id),))
+    await redis.aclose()
+
+
+async def test_a_lost_channel_fails_the_open_requests_and_is_subscribed_again(redis_url: str) -> None:
+    """What was published while the subscription was down is gone: the requests open then end
+    with a 503 error at once, not at their deadline; the gateway subscribes again within a second."""
+    redis = aioredis.Redis.from_url(redis_url)
+    async with subscribed(redis, uuid.uuid4().hex) as router:
+        channel = router.presence
+        queue = router.open("r")
+        assert await redis.client_kill_filter(_type="pubsub") >= 1
+        ended = await asyncio.wait_for(queue.get(), 5)
+        assert (ended.seq, ended.chunks[0].finish_reason, ended.chunks[0].error.status) == (-1, "error", 503)
+        assert router.presence == ""  # meanwhile, no request names it
+        await _until(lambda: router.presence == channel)
+        assert (await redis.pubsub_numsub(channel))[0][1] == 1
+    await redis.aclose()
+
+
+async def test_a_subscription_whose_redis_stops_answering_ends(redis_url: str) -> None:
+    """A link that goes quiet without closing (a partition, a Redis stalled): `check` pings it,
+    and ends the subscription once the ping has gone unanswered for the timeout."""
+    redis = aioredis.Redis.from_url(redis_url)
+    subscription = await Subscription.open(redis, f"test:{uuid.uuid4().hex}", lambda _message: None)
+    subscription.check(quiet_s=0.0, timeout_s=0.3)  # pinged; answered
+    await _until(lambda: not subscription.pinged_at)
+    await redis.execute_command("CLIENT", "PAUSE", 1500, "ALL")
+    subscription.check(quiet_s=0.0, timeout_s=0.3)  # pinged; held by the pause
+    await asyncio.sleep(0.5)
+    assert not subscription.lost.done()
+    subscription.check(quiet_s=0.0, timeout_s=0.3)
+    why = await asyncio.wait_for(subscription.lost, 5)
+    assert "did not answer a PING" in str(why)
+    await subscription.close()
+    await redis.aclose()

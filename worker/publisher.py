@@ -50,6 +50,7 @@ class _Outbox:
     reply_to: str
     request_id: str
     batch: bool  # its gateway reads entries of several envelopes
+    channel: str  # where its gateway reads its replies as they come (PUBLISH); "": `reply_to` alone
     chunks: list[GenerationChunk] = field(default_factory=list)
     # (request stream, entry id, request id[, the bindings of a fair-share ticket]) once terminal
     ack: tuple[str, ...] | None = None
@@ -59,8 +60,10 @@ class _Outbox:
 
 @dataclass(slots=True)
 class _Entry:
-    """One reply stream entry: an envelope, or a batch of them for one gateway."""
+    """One reply stream entry, or one message on a gateway's channel: an envelope, or a batch of
+    them for one gateway (on a channel, always a batch)."""
     reply_to: str
+    channel: bool = False
     envelopes: list[bytes] = field(default_factory=list)
     size: int = 0
     request_ids: list[str] = field(default_factory=list)  # of each envelope
@@ -76,12 +79,20 @@ class _Entry:
         self.size = sum(len(data) for data in self.envelopes)
 
     def value(self) -> dict[bytes, bytes]:
+        """A stream entry's fields."""
         if len(self.envelopes) == 1:
             return {keys.ENVELOPE_FIELD: self.envelopes[0]}
         return {keys.BATCH_FIELD: encode_batch(self.envelopes)}
 
 
 BATCH_LIMIT_BYTES = MAX_ENVELOPE_BYTES // 2  # a batch stays well inside what a gateway decodes
+# The largest answer in one envelope that goes on a gateway's channel; a larger one (an encoder's
+# vectors, a long non-streaming answer) goes to its reply stream. What a channel carries waits in
+# Redis's output buffer until its gateway reads it, and Redis drops a subscriber whose buffer
+# passes its limit (`client-output-buffer-limit pubsub`, 32 MB by default): vectors come faster than
+# a busy gateway may read them, a stream's deltas at the engine's pace. Only a whole answer may
+# go apart from the rest of its request's replies: nothing with a seq came before it, nor comes after.
+CHANNEL_ANSWER_LIMIT_BYTES = 64 * 1024
 
 # The pause between two writes: 2 ms, or 0.75 ms for each request the last write carried, up to 6 ms.
 # What waits is merged into the next write: a request's deltas into one, the requests bound for a
@@ -200,7 +211,7 @@ class ReplyPublisher:
         outbox = self._outboxes.get(request.request_id)
         if outbox is None:
             outbox = self._outboxes[request.request_id] = _Outbox(request.reply_to, request.request_id,
-                                                                  request.batch_replies,
+                                                                  request.batch_replies, request.reply_channel,
                                                                   lease=self._leases.get(request.request_id, 0))
         return outbox
 
@@ -282,12 +293,15 @@ class ReplyPublisher:
             data = encode(ChunkEnvelope(outbox.request_id, seq, _coalesce(outbox.chunks), self.worker_id,
                                         lease=outbox.lease, stream=stream, entry_id=entry_id,
                                         unregistered=self._ordered and outbox.ack is not None))
-            entry = batches.get(outbox.reply_to) if outbox.batch else None
+            whole = seq == 0 and outbox.flushed is not None  # the request's answer, in this one envelope
+            target = outbox.channel if outbox.channel and not (whole and len(data) > CHANNEL_ANSWER_LIMIT_BYTES) \
+                else outbox.reply_to
+            entry = batches.get(target) if outbox.batch or outbox.channel else None
             if entry is None or entry.size + len(data) > BATCH_LIMIT_BYTES:
-                entry = _Entry(outbox.reply_to)
+                entry = _Entry(target, channel=bool(outbox.channel) and target == outbox.channel)
                 entries.append(entry)
-                if outbox.batch:
-                    batches[outbox.reply_to] = entry
+                if outbox.batch or outbox.channel:
+                    batches[target] = entry
             entry.add(data, outbox.request_id)
             if not outbox.chunks:  # only `started`: no output, and no seq taken
                 continue
@@ -318,8 +332,11 @@ class ReplyPublisher:
             if self._ordered and acks:  # ended: a cancel by id after its answer finds no run (`unregistered`)
                 pipe.delete(*(keys.run_key(request_id) for _stream, _entry_id, request_id, *_bindings in acks))
             for entry in entries:
-                pipe.xadd(entry.reply_to, entry.value(), maxlen=keys.REPLY_STREAM_MAXLEN, approximate=True,
-                          nomkstream=True)
+                if entry.channel:
+                    pipe.publish(entry.reply_to, encode_batch(entry.envelopes))
+                else:
+                    pipe.xadd(entry.reply_to, entry.value(), maxlen=keys.REPLY_STREAM_MAXLEN, approximate=True,
+                              nomkstream=True)
             for request_id in first_outputs:  # output is on its way to the client: never run it again
                 pipe.set(keys.streamed_key(request_id), b"1", ex=keys.CANCEL_MEMORY_TTL_S, nx=True)  # a replay's: kept
 

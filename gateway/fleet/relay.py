@@ -25,7 +25,7 @@ from shared import keys
 from shared.codec import decode, decode_batch
 from shared.envelopes import ChunkEnvelope, GenerationChunk
 from shared.errors import EnvelopeError, ServiceUnavailable
-from shared.redis_direct import direct_connection
+from shared.redis_direct import Subscription, direct_connection
 from shared.stopping import pause
 
 log = logging.getLogger(__name__)
@@ -33,6 +33,10 @@ log = logging.getLogger(__name__)
 READ_BATCH = 1000
 READ_BLOCK_MS = 1000  # the longest a read waits for replies, so the longest `run` takes to see a stop
 SILENCE = None  # put in a request's queue by `watch_silence`: nothing came, look around
+# With requests open, a channel that has brought nothing for CHANNEL_QUIET_S is pinged, and taken
+# for lost if the ping is not answered within CHANNEL_TIMEOUT_S (the clients' socket timeout).
+CHANNEL_QUIET_S = 1.0
+CHANNEL_TIMEOUT_S = 5.0
 
 
 class ReplyRouter:
@@ -43,7 +47,7 @@ class ReplyRouter:
         # Held while this process lives (`hold_presence`); not on a cluster, whose nodes count a
         # channel's subscribers each for itself.
         self._presence = "" if isinstance(redis, aioredis.RedisCluster) else keys.gateway_presence_channel(gateway_id)
-        self._presence_held = False
+        self._subscription: Subscription | None = None  # to `_presence`, while held
         self.max_buffered = max_buffered  # envelopes waiting for one slow client
         self.on_overflow = on_overflow
         self._routes: dict[str, asyncio.Queue[ChunkEnvelope | None]] = {}
@@ -65,9 +69,11 @@ class ReplyRouter:
         self._routes.pop(request_id, None)
 
     def stop(self) -> None:
-        """End `run`, `watch_silence` and `keep_alive` at their next turn."""
+        """End `run`, `watch_silence`, `keep_alive` and `hold_presence` at their next turn."""
         self.stopping.set()
         self._opened.set()
+        if self._subscription is not None:
+            self._subscription.transport.close()
 
     @property
     def open_requests(self) -> int:
@@ -130,13 +136,17 @@ class ReplyRouter:
             if name == keys.ENVELOPE_FIELD:
                 self._route(value)
             elif name == keys.BATCH_FIELD:
-                try:
-                    envelopes = decode_batch(value)
-                except EnvelopeError as exc:
-                    log.error("dropping a malformed batch of replies: %s", exc)
-                    continue
-                for data in envelopes:
-                    self._route(data)
+                self._deliver_batch(value)
+
+    def _deliver_batch(self, value: bytes) -> None:
+        """A batch of envelopes: a stream entry's `keys.BATCH_FIELD`, or a message on the channel."""
+        try:
+            envelopes = decode_batch(value)
+        except EnvelopeError as exc:
+            log.error("dropping a malformed batch of replies: %s", exc)
+            return
+        for data in envelopes:
+            self._route(data)
 
     def _route(self, data: bytes) -> None:
         try:
@@ -168,6 +178,8 @@ class ReplyRouter:
                 await self._opened.wait()
             elif not await pause(self.stopping, interval):
                 self.wake_silent()
+                if self._subscription is not None:  # a link gone quiet with requests open: is it there?
+                    self._subscription.check(CHANNEL_QUIET_S, CHANNEL_TIMEOUT_S)
 
     def wake_silent(self) -> None:
         """Wake each request with nothing waiting in its queue, to look around now (a worker was
@@ -178,33 +190,39 @@ class ReplyRouter:
 
     @property
     def presence(self) -> str:
-        """The presence channel this gateway holds now ("": none), for its requests to name
-        (`RequestEnvelope.gateway_presence`): one it could not subscribe to is not named, so no
-        worker takes the gateway for gone while it lives."""
-        return self._presence if self._presence_held else ""
+        """The channel this gateway holds now ("": none), for its requests to name as its presence
+        (`RequestEnvelope.gateway_presence`) and as where to publish their replies
+        (`RequestEnvelope.reply_channel`): one it could not subscribe to is not named, so no worker
+        takes the gateway for gone while it lives, nor publishes where nobody reads."""
+        return self._presence if self._subscription is not None else ""
 
     async def hold_presence(self) -> None:
-        """Subscribe to this gateway's presence channel while it lives (nothing is published there):
+        """Subscribe to this gateway's channel while it lives (`shared.redis_direct.Subscription`).
         Redis drops the subscription the moment the process dies, and the workers running its
-        requests, finding nobody there, stop them (worker/cancels.py). Subscribed again after Redis
-        comes back: at once after a subscription that held, else after a wait that doubles up to 5 s
-        (a subscription refused, as by an ACL without the channel, is not retried twice a second)."""
+        requests, finding nobody there, stop them (worker/cancels.py). The workers publish the
+        replies of the requests that name it there: each comes to `_deliver_batch` as the socket
+        is read, with no command sent and no task woken for it. Subscribed again after Redis comes
+        back: at once after a subscription that held, else after a wait that doubles up to 5 s
+        (a subscription refused, as by an ACL without the channel, is not retried twice a second).
+        A subscription lost fails the requests open here: what was published meanwhile is gone."""
         delay = 0.5
         while self._presence and not self.stopping.is_set():
-            pubsub = self.redis.pubsub()
+            held = False
             try:
-                await pubsub.subscribe(self._presence)
-                async for message in pubsub.listen():  # only its subscription's confirmations come
-                    self._presence_held = self._presence_held or message.get("type") == "subscribe"
-            except RedisError as exc:
-                log.warning("gateway presence channel lost: %s; subscribing again in %.1fs", exc, delay)
-            finally:
-                delay = 0.5 if self._presence_held else min(delay * 2, 5.0)
-                self._presence_held = False
-                try:
-                    await pubsub.aclose()
-                except (RedisError, OSError):
-                    pass
+                subscription = await Subscription.open(self.redis, self._presence, self._deliver_batch)
+            except (RedisError, OSError, asyncio.TimeoutError) as exc:
+                log.warning("gateway channel not subscribed: %s; subscribing again in %.1fs", exc, delay)
+            else:
+                held, self._subscription = True, subscription
+                if self.stopping.is_set():  # stopped while subscribing
+                    subscription.transport.close()
+                why = await subscription.lost
+                self._subscription = None
+                await subscription.close()
+                if not self.stopping.is_set():
+                    log.warning("gateway channel lost: %s; failing %d open requests", why, len(self._routes))
+                    self._fail_open_requests()
+            delay = 0.5 if held else min(delay * 2, 5.0)
             await pause(self.stopping, delay)
 
     async def keep_alive(self) -> None:

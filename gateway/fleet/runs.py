@@ -462,7 +462,8 @@ class Fleet:
         from the queue first, or cancelling it on its worker once one has claimed it."""
         self.check_open(envelope)
         grant = await self.limits.admit(envelope, key)  # its key's limits (404, 429), before anything is registered
-        envelope.reply_to, envelope.gateway_presence = self.router.stream, self.router.presence
+        envelope.reply_to = self.router.stream
+        envelope.gateway_presence = envelope.reply_channel = self.router.presence
         run = Run(envelope, self.router.open(envelope.request_id), self.registry, self._ready_takeover)
         run.grant = grant  # released by the run's ending, on every path
         try:
