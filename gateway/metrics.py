@@ -33,6 +33,9 @@ MIGRATION_PAUSE = Histogram("llmfleet_gateway_migration_pause_seconds", "What a 
                             "added: from the last reply of its worker that died or drained to the first new output "
                             "its client got from the worker that took it over", ["model"],
                             buckets=(0.25, 0.5, 0.75, 1, 1.5, 2, 3, 4, 6, 8, 12, 20))
+REPLY_CHANNEL_LOST = Counter("llmfleet_gateway_reply_channel_lost_total", "Times this gateway lost the subscription "
+                             "its replies come on (Redis restarted or dropped it: its client-output-buffer-limit for "
+                             "pub/sub, the network); the requests open here then failed with a 503")
 STALE_REPLIES = Counter("llmfleet_gateway_stale_replies_total", "Reply envelopes dropped because they came from a "
                         "worker that had lost the request's lease (another worker had taken it over)")
 # Fleet-wide figures read from Redis with each registry refresh (every half second): every gateway
@@ -41,8 +44,9 @@ BACKLOG = Gauge("llmfleet_gateway_backlog", "Requests in the model's queue: wait
                 "or running on a worker (claimed, not yet answered)", ["model", "state"])
 LIVE_WORKERS = Gauge("llmfleet_gateway_live_workers", "Workers with a live heartbeat serving the model "
                      "(draining ones included)", ["model"])
-RELAY_DELAY = Histogram("llmfleet_gateway_relay_seconds", "From a worker's reply reaching Redis (its stream entry's "
-                        "id) to this gateway reading it", buckets=(0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1,
+RELAY_DELAY = Histogram("llmfleet_gateway_relay_seconds", "From a worker's write of replies (on the gateway's "
+                        "channel: the write's time, by the worker's clock; on its reply stream: the entry's id, by "
+                        "Redis's) to this gateway reading them", buckets=(0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1,
                                                                     0.25, 0.5, 1, 2.5))
 INTER_TOKEN_LATENCY = Histogram("llmfleet_gateway_inter_token_seconds", "Gaps between a stream's token events as "
                                 "this gateway relays them (what a client sees)", ["model"],

@@ -405,6 +405,9 @@ class ChunkEnvelope(Envelope):
     # On the envelope that ends a request: its worker removed the request's registration at the
     # gateways (`keys.run_key`, which cancels by id read) before writing it, so its gateway need not.
     unregistered: bool = False
+    # When (wall-clock seconds) its worker wrote it: the gateway times the reply path from it
+    # (`llmfleet_gateway_relay_seconds`). 0: a worker from before it.
+    sent_at: Seconds = 0.0
 
 
 class CancelNotice(Envelope):

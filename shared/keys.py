@@ -35,7 +35,9 @@ part of the name. `<...>` is a placeholder.
 |                                      |         | lately")                                 |
 | llmfleet:replies:{<gateway_id>}      | stream  | MAXLEN ~REPLY_STREAM_MAXLEN, TTL         |
 |                                      |         | refreshed by its gateway; workers never  |
-|                                      |         | create it                                |
+|                                      |         | create it. Replies not on its channel:   |
+|                                      |         | a large whole answer, a cluster's, an    |
+|                                      |         | older worker's                           |
 | llmfleet:worker:{workers}:<worker_id>| string  | TTL HEARTBEAT_TTL_S; one tag for all, so |
 |                                      |         | a gateway reads them with one MGET       |
 | llmfleet:run:{<request_id>}          | string  | TTL: the request's deadline (its gateway)|
@@ -68,7 +70,8 @@ part of the name. `<...>` is a placeholder.
 | llmfleet:presence:<worker_id>        | pub/sub | no storage; its worker subscribes while  |
 |                                      |         | it lives, nothing is published           |
 | llmfleet:presence:gateway:<gw_id>    | pub/sub | no storage; its gateway subscribes while |
-|                                      |         | it lives, nothing is published           |
+|                                      |         | it lives; workers publish its requests'  |
+|                                      |         | replies there (one server only)          |
 | llmfleet:events:{<response_id>}      | stream  | MAXLEN ~EVENT_LOG_MAXLEN; TTL: the run's |
 |                                      |         | deadline, then the gateway's keep time   |
 |                                      |         | once it ended (gateway/serve/resumable.py)       |
@@ -282,7 +285,8 @@ GATEWAY_GONE_S = 2.0
 
 def gateway_presence_channel(gateway_id: str) -> str:
     """A channel its gateway subscribes to while its process lives (RequestEnvelope.gateway_presence):
-    a worker whose running request's gateway has none left stops it, since nobody reads its replies."""
+    a worker whose running request's gateway has none left stops it, since nobody reads its replies.
+    The workers publish the replies there too (RequestEnvelope.reply_channel)."""
     return f"{PREFIX}:presence:gateway:{gateway_id}"
 
 

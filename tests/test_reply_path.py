@@ -14,6 +14,7 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
+from gateway import metrics
 from gateway.fleet.relay import READ_BLOCK_MS, ReplyRouter
 from shared import keys
 from shared.codec import decode, decode_batch, encode, encode_batch
@@ -310,12 +311,15 @@ async def test_a_lost_channel_fails_the_open_requests_and_is_subscribed_again(re
     """What was published while the subscription was down is gone: the requests open then end
     with a 503 error at once, not at their deadline; the gateway subscribes again within a second."""
     redis = aioredis.Redis.from_url(redis_url)
+    lost_before = metrics.REPLY_CHANNEL_LOST._value.get()
     async with subscribed(redis, uuid.uuid4().hex) as router:
         channel = router.presence
         queue = router.open("r")
-        assert await redis.client_kill_filter(_type="pubsub") >= 1
+        host, port = router._subscription.transport.get_extra_info("sockname")[:2]
+        assert await redis.client_kill_filter(addr=f"{host}:{port}") == 1  # this router's, no other's
         ended = await asyncio.wait_for(queue.get(), 5)
         assert (ended.seq, ended.chunks[0].finish_reason, ended.chunks[0].error.status) == (-1, "error", 503)
+        assert metrics.REPLY_CHANNEL_LOST._value.get() == lost_before + 1
         assert router.presence == ""  # meanwhile, no request names it
         await _until(lambda: router.presence == channel)
         assert (await redis.pubsub_numsub(channel))[0][1] == 1

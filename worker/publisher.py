@@ -1,12 +1,15 @@
-"""Publishes generation chunks to the gateways' reply streams, batched and coalesced.
+"""Publishes generation chunks to the gateways, batched and coalesced.
 
 One task owns the Redis writes of a worker. Chunks queue up per request; whenever the previous
 write has finished and a pause after its start has passed, everything queued goes out in one
 pipeline, with neighbouring deltas of the same kind merged. The envelopes bound for one
-gateway share one stream entry (`keys.BATCH_FIELD`): an engine step of 64 requests is one XADD,
-not 64, for Redis and for the gateway that reads it. (A gateway that did not ask for batches,
-`RequestEnvelope.batch_replies`, gets one entry per envelope.) So a fast engine costs a few
-round trips per batch instead of one per token, and a slow one still gets each token out at once.
+gateway share one message: a PUBLISH on the gateway's channel (`RequestEnvelope.reply_channel`),
+which the gateway reads as it comes, or, where the request names none or its answer in one
+envelope is too large for a channel (CHANNEL_ANSWER_LIMIT_BYTES), one entry of its reply stream
+(`keys.BATCH_FIELD`). An engine step of 64 requests is one command, not 64, for Redis and for the
+gateway that reads it. (A gateway that did not ask for batches, `RequestEnvelope.batch_replies`,
+gets one stream entry per envelope.) So a fast engine costs a few round trips per batch instead of
+one per token, and a slow one still gets each token out at once.
 
 The pause grows with the load (`pause_s`): 0.75 ms for each request the last write carried, at
 least 2 ms and at most 6 ms. A worker streaming to one client sends each engine step at once (a
@@ -20,7 +23,8 @@ per write, not twice.
 The terminal chunk of a request is written in the same pipeline as the XACK and XDEL of its
 request entry (on a Redis Cluster, in the pipeline before them), after every earlier chunk: the
 gateway never sees a request end twice, and the entry is only acknowledged once its answer is
-in Redis.
+in Redis (on a channel: on its way to the gateway, which fails its open requests if it loses the
+subscription).
 
 `stop()` ends `run` once what is queued has gone out; a write Redis refuses is then dropped, not
 retried: a stopping worker's unacknowledged requests are recovered as after a crash.
@@ -287,12 +291,13 @@ class ReplyPublisher:
         entries: list[_Entry] = []
         batches: dict[str, _Entry] = {}  # the open batch entry of each gateway that reads batches
         first_outputs = []  # requests whose first output (not their ending) goes out now
+        now = time.time()
         for outbox in outboxes:
             seq = self._seq.get(outbox.request_id, 0)
             stream, entry_id = self._entries.get(outbox.request_id, ("", "")) if seq == 0 else ("", "")
             data = encode(ChunkEnvelope(outbox.request_id, seq, _coalesce(outbox.chunks), self.worker_id,
                                         lease=outbox.lease, stream=stream, entry_id=entry_id,
-                                        unregistered=self._ordered and outbox.ack is not None))
+                                        unregistered=self._ordered and outbox.ack is not None, sent_at=now))
             whole = seq == 0 and outbox.flushed is not None  # the request's answer, in this one envelope
             target = outbox.channel if outbox.channel and not (whole and len(data) > CHANNEL_ANSWER_LIMIT_BYTES) \
                 else outbox.reply_to

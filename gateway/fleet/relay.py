@@ -1,10 +1,13 @@
 """The gateway's reply path: one reader per process, one queue per open request.
 
-Every worker writes the chunks of a request to the reply stream of the gateway process that
-accepted it; an entry holds one envelope, or the envelopes of many requests published together
-(`keys.BATCH_FIELD`). A single `ReplyRouter` task reads that stream in batches (XREAD COUNT)
-and hands each envelope to the queue of its request, so a gateway holding thousands of open
-requests still has one blocking read and one Redis connection for replies.
+Every worker publishes the chunks of a request to the gateway process that accepted it: on the
+channel the gateway holds while it lives (its presence, `hold_presence`), whose messages each hold
+the envelopes of one or more requests published together, read as they come in, with no command
+per message (`shared.redis_direct.Subscription`); or, for an answer in one envelope too large for
+a channel, for every request on a Redis Cluster and from workers older than the channel, on its
+reply stream, whose entries hold one envelope or a batch (`keys.BATCH_FIELD`), read by a single
+task (XREAD COUNT). Each envelope goes to the queue of its request, so a gateway holding thousands
+of open requests still has one subscription and one blocking read for replies.
 
 The router's loops end at their next turn after `stop()` (a read blocks for at most
 READ_BLOCK_MS), even if a cancel was lost on the way (`shared.stopping`).
@@ -139,7 +142,7 @@ class ReplyRouter:
                 self._deliver_batch(value)
 
     def _deliver_batch(self, value: bytes) -> None:
-        """A batch of envelopes: a stream entry's `keys.BATCH_FIELD`, or a message on the channel."""
+        """A batch of envelopes: a stream entry's `keys.BATCH_FIELD`."""
         try:
             envelopes = decode_batch(value)
         except EnvelopeError as exc:
@@ -148,15 +151,30 @@ class ReplyRouter:
         for data in envelopes:
             self._route(data)
 
-    def _route(self, data: bytes) -> None:
+    def _deliver_message(self, value: bytes) -> None:
+        """A message on the channel: a batch of envelopes, the path timed from the first one's write."""
+        try:
+            envelopes = decode_batch(value)
+        except EnvelopeError as exc:
+            log.error("dropping a malformed batch of replies: %s", exc)
+            return
+        sent_at = 0.0
+        for data in envelopes:
+            envelope = self._route(data)
+            sent_at = sent_at or (envelope.sent_at if envelope is not None else 0.0)
+        if sent_at:
+            metrics.RELAY_DELAY.observe(max(0.0, time.time() - sent_at))
+
+    def _route(self, data: bytes) -> ChunkEnvelope | None:
+        """Hand an envelope to its request's queue; the envelope, unless it is unreadable."""
         try:
             envelope = decode(ChunkEnvelope, data)
         except EnvelopeError as exc:
             log.error("dropping malformed reply: %s", exc)
-            return
+            return None
         queue = self._routes.get(envelope.request_id)
         if queue is None:
-            return
+            return envelope
         if queue.qsize() >= self.max_buffered:  # the client stopped reading: drop it, not our memory
             self.close(envelope.request_id)
             error = ServiceUnavailable("The client read too slowly; the response was cancelled.",
@@ -164,8 +182,9 @@ class ReplyRouter:
             queue.put_nowait(ChunkEnvelope(envelope.request_id, -1,
                                            [GenerationChunk(done=True, finish_reason="error", error=error)]))
             self.on_overflow(envelope.request_id)
-            return
+            return envelope
         queue.put_nowait(envelope)
+        return envelope
 
     async def watch_silence(self, interval: float) -> None:
         """Every `interval`, wake each request with nothing waiting in its queue (a `SILENCE`), so
@@ -209,7 +228,7 @@ class ReplyRouter:
         while self._presence and not self.stopping.is_set():
             held = False
             try:
-                subscription = await Subscription.open(self.redis, self._presence, self._deliver_batch)
+                subscription = await Subscription.open(self.redis, self._presence, self._deliver_message)
             except (RedisError, OSError, asyncio.TimeoutError) as exc:
                 log.warning("gateway channel not subscribed: %s; subscribing again in %.1fs", exc, delay)
             else:
@@ -220,6 +239,7 @@ class ReplyRouter:
                 self._subscription = None
                 await subscription.close()
                 if not self.stopping.is_set():
+                    metrics.REPLY_CHANNEL_LOST.inc()
                     log.warning("gateway channel lost: %s; failing %d open requests", why, len(self._routes))
                     self._fail_open_requests()
             delay = 0.5 if held else min(delay * 2, 5.0)
