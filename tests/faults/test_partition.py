@@ -192,18 +192,38 @@ def _stream_text(events: list[str]) -> str:
                    for choice in json.loads(event).get("choices", ()))
 
 
-def _replies_by_worker(client: redis.Redis) -> dict[tuple[str, str], list[ChunkEnvelope]]:
-    """Every envelope in the reply streams, by (request id, worker id), in stream order."""
-    found: dict[tuple[str, str], list[ChunkEnvelope]] = {}
+@contextlib.contextmanager
+def _tapped_channels(client: redis.Redis):
+    """Every message published on the gateways' channels while inside, as a list that fills as they
+    come (a pattern subscription: presence counts subscribers of the channel itself, not this)."""
+    messages: list[bytes] = []
+    pubsub = client.pubsub()
+    pubsub.psubscribe(**{keys.gateway_presence_channel("*"): lambda message: messages.append(message["data"])})
+    thread = pubsub.run_in_thread(sleep_time=0.05, daemon=True)
+    try:
+        yield messages
+    finally:
+        thread.stop()
+        thread.join(5)
+        pubsub.close()
+
+
+def _replies_by_worker(client: redis.Redis, messages: list[bytes]) -> dict[tuple[str, str], list[ChunkEnvelope]]:
+    """Every envelope in the reply streams, then every one published on the gateways' channels
+    (`messages`), by (request id, worker id), in the order of each."""
+    batches = []
     for stream in client.scan_iter(match=keys.reply_stream("*")):
         for _entry_id, fields in client.xrange(stream):
             if keys.ENVELOPE_FIELD in fields:
-                encoded = [fields[keys.ENVELOPE_FIELD]]
-            else:
-                encoded = decode_batch(fields[keys.BATCH_FIELD]) if keys.BATCH_FIELD in fields else []
-            for data in encoded:
-                envelope = decode(ChunkEnvelope, data)
-                found.setdefault((envelope.request_id, envelope.worker_id), []).append(envelope)
+                batches.append([fields[keys.ENVELOPE_FIELD]])
+            elif keys.BATCH_FIELD in fields:
+                batches.append(decode_batch(fields[keys.BATCH_FIELD]))
+    batches += [decode_batch(message) for message in messages]
+    found: dict[tuple[str, str], list[ChunkEnvelope]] = {}
+    for batch in batches:
+        for data in batch:
+            envelope = decode(ChunkEnvelope, data)
+            found.setdefault((envelope.request_id, envelope.worker_id), []).append(envelope)
     return found
 
 
@@ -212,6 +232,7 @@ def test_worker_cut_off_from_redis_is_taken_over_and_never_answers_twice():
         redis_proc = _start_redis(gw, w1, w2)
         stops.callback(redis_proc.stop)
         client = redis.Redis.from_url(redis_proc.url)
+        published = stops.enter_context(_tapped_channels(client))
         model = f"apart-{uuid.uuid4().hex[:6]}"
         gateway = _start_gateway(redis_proc, gw)
         stops.callback(gateway.stop)
@@ -259,7 +280,7 @@ def test_worker_cut_off_from_redis_is_taken_over_and_never_answers_twice():
         # that came before the takeover was followed, a later one dropped.)
         wait_for(lambda: metric_value(victim.url, "llmfleet_worker_cancels_total", cause="lease_lost") == 2, 20,
                  "the victim to report both leases lost")
-        replies = _replies_by_worker(client)
+        replies = _replies_by_worker(client, list(published))
         from_victim = [envelope for (_rid, worker), envelopes in replies.items() if worker == victim_id
                        for envelope in envelopes]
         output = [envelope for envelope in from_victim if envelope.chunks]
