@@ -141,28 +141,24 @@ class ReplyRouter:
             elif name == keys.BATCH_FIELD:
                 self._deliver_batch(value)
 
-    def _deliver_batch(self, value: bytes) -> None:
-        """A batch of envelopes: a stream entry's `keys.BATCH_FIELD`."""
+    def _deliver_batch(self, value: bytes) -> float:
+        """A batch of envelopes (a stream entry's `keys.BATCH_FIELD`, or a message on the channel);
+        when the first was written (its `sent_at`; 0: unknown)."""
         try:
             envelopes = decode_batch(value)
         except EnvelopeError as exc:
             log.error("dropping a malformed batch of replies: %s", exc)
-            return
-        for data in envelopes:
-            self._route(data)
-
-    def _deliver_message(self, value: bytes) -> None:
-        """A message on the channel: a batch of envelopes, the path timed from the first one's write."""
-        try:
-            envelopes = decode_batch(value)
-        except EnvelopeError as exc:
-            log.error("dropping a malformed batch of replies: %s", exc)
-            return
+            return 0.0
         sent_at = 0.0
         for data in envelopes:
             envelope = self._route(data)
-            sent_at = sent_at or (envelope.sent_at if envelope is not None else 0.0)
-        if sent_at:
+            if not sent_at and envelope is not None:
+                sent_at = envelope.sent_at
+        return sent_at
+
+    def _deliver_message(self, value: bytes) -> None:
+        """A message on the channel, the reply path timed from its write."""
+        if sent_at := self._deliver_batch(value):
             metrics.RELAY_DELAY.observe(max(0.0, time.time() - sent_at))
 
     def _route(self, data: bytes) -> ChunkEnvelope | None:
