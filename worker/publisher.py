@@ -299,11 +299,11 @@ class ReplyPublisher:
                                         lease=outbox.lease, stream=stream, entry_id=entry_id,
                                         unregistered=self._ordered and outbox.ack is not None, sent_at=now))
             whole = seq == 0 and outbox.flushed is not None  # the request's answer, in this one envelope
-            target = outbox.channel if outbox.channel and not (whole and len(data) > CHANNEL_ANSWER_LIMIT_BYTES) \
-                else outbox.reply_to
+            on_channel = bool(outbox.channel) and not (whole and len(data) > CHANNEL_ANSWER_LIMIT_BYTES)
+            target = outbox.channel if on_channel else outbox.reply_to
             entry = batches.get(target) if outbox.batch or outbox.channel else None
             if entry is None or entry.size + len(data) > BATCH_LIMIT_BYTES:
-                entry = _Entry(target, channel=bool(outbox.channel) and target == outbox.channel)
+                entry = _Entry(target, channel=on_channel)
                 entries.append(entry)
                 if outbox.batch or outbox.channel:
                     batches[target] = entry
