@@ -199,10 +199,10 @@ class Subscription(asyncio.Protocol):
         self.stream_protocol = transport.get_protocol()  # told of the socket's end, for `disconnect`
         self.on_message = on_message
         self.reader = hiredis.Reader(replyError=ResponseError)
-        loop = asyncio.get_running_loop()
-        self.subscribed: asyncio.Future[None] = loop.create_future()
-        self.lost: asyncio.Future[Exception] = loop.create_future()  # why it ended
-        self.heard_at = loop.time()
+        self.loop = asyncio.get_running_loop()
+        self.subscribed: asyncio.Future[None] = self.loop.create_future()
+        self.lost: asyncio.Future[Exception] = self.loop.create_future()  # why it ended
+        self.heard_at = self.loop.time()
         self.pinged_at = 0.0  # when the PING now unanswered went out; 0: none is
 
     @classmethod
@@ -237,7 +237,7 @@ class Subscription(asyncio.Protocol):
 
     def check(self, quiet_s: float, timeout_s: float) -> None:
         """Ping a link that has been quiet for `quiet_s`; close one whose ping went unanswered for `timeout_s`."""
-        now = asyncio.get_running_loop().time()
+        now = self.loop.time()
         if self.pinged_at and now - self.pinged_at > timeout_s:
             self._end(RedisConnectionError(f"Redis did not answer a PING in {timeout_s:.0f}s"))
             self.transport.abort()
@@ -246,7 +246,7 @@ class Subscription(asyncio.Protocol):
             self.transport.write(_PING)
 
     def data_received(self, data: bytes) -> None:
-        self.heard_at = asyncio.get_running_loop().time()
+        self.heard_at = self.loop.time()
         self.pinged_at = 0.0
         self.reader.feed(data)
         try:

@@ -215,7 +215,7 @@ class ReplyRouter:
         """Subscribe to this gateway's channel while it lives (`shared.redis_direct.Subscription`).
         Redis drops the subscription the moment the process dies, and the workers running its
         requests, finding nobody there, stop them (worker/cancels.py). The workers publish the
-        replies of the requests that name it there: each comes to `_deliver_batch` as the socket
+        replies of the requests that name it there: each comes to `_deliver_message` as the socket
         is read, with no command sent and no task woken for it. Subscribed again after Redis comes
         back: at once after a subscription that held, else after a wait that doubles up to 5 s
         (a subscription refused, as by an ACL without the channel, is not retried twice a second).
