@@ -15,9 +15,9 @@ and the like are read as libraries load), and forks only workers asking for that
 What importing vLLM sets in the environment (vllm/env_override.py) is set again in each child, as
 its own import would have.
 
-One zygote of a kind and environment serves one test process over a socket pair; it is started on
-first use and ends when that socket closes. `ZygoteChild` stands in for `subprocess.Popen`: the zygote reaps its children
-and sends each exit status back.
+One zygote of a kind and environment serves one test process over a socket pair; it is started
+on first use and ends when that socket closes. `ZygoteChild` stands in for `subprocess.Popen`:
+the zygote reaps its children and sends each exit status back.
 
     zygote   <- {"args": [...], "env": {...}, "cwd": "...", "log": "..."}
              -> {"pid": 1234}          the child started
