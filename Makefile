@@ -50,8 +50,9 @@ up: install
 	$(BIN)/llmfleet up
 
 # Every tier, in two passes, each printing its slowest tests:
-# 1. the in-process and multi-process tiers, on three pytest workers at once (they mostly wait;
-#    their gateways and scripted workers fork from a zygote, tests/zygote.py);
+# 1. the in-process and multi-process tiers, on four pytest workers at once (they mostly wait;
+#    their gateways and scripted workers fork from a zygote, tests/zygote.py, as the vLLM tier's
+#    vLLM workers do from one that imported vLLM);
 # 2. two lanes side by side, each printed whole when it ends: the vLLM tier (one test at a time:
 #    a CPU engine busies its core) beside the build of the compose tier's images; once both are
 #    over, the compose tier's stack tests beside the tests of the multi-key scripts and slots again
