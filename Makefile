@@ -130,7 +130,7 @@ soak: install
 	LLMFLEET_SOAK_SECONDS=300 $(BIN)/python -m pytest -q tests/faults/test_soak.py
 
 test-fast: install
-	$(BIN)/python -m pytest -q -n 3 -m "not vllm and not compose"
+	$(BIN)/python -m pytest -q -n 4 -m "not vllm and not compose"
 
 # The parity battery alone: vllm serve and llmfleet side by side, the table of matches per feature.
 parity: install
