@@ -1,11 +1,12 @@
 """Profile one gateway process under the relay load: where its CPU goes, per function.
 
 Starts Redis, an unpaced scripted worker and a gateway (`bench.relay_throughput.Fleet`), puts
-16-token streams from closed-loop clients on it, and samples the gateway with py-spy
+16-token streams (`--load stream`) or embeddings of one input, base64 (`--load embed`, an
+unpaced scripted encoder) from closed-loop clients on it, and samples the gateway with py-spy
 (`pip install py-spy`). Prints the functions with the most samples, by own time and
 including callees, and keeps the raw stacks (flamegraph input) in bench/results/.
 
-    python -m bench.profile_gateway [--seconds 10] [--concurrency 32] [--top 30]
+    python -m bench.profile_gateway [--load stream|embed] [--seconds 10] [--concurrency 32] [--top 30]
 """
 
 from __future__ import annotations
@@ -23,20 +24,24 @@ import uvloop
 
 from bench.common import RESULTS
 from bench.loadgen import Target, closed_loop, summarize
-from bench.relay_throughput import BODY, TOKENS, Fleet
+from bench.relay_throughput import BODY, MODEL, TOKENS, Fleet
+
+EMBED_BODY = {"model": MODEL, "input": "the sea is calm tonight", "encoding_format": "base64"}
 
 
-def record(seconds: float, concurrency: int, out: Path) -> dict:
+def record(seconds: float, concurrency: int, out: Path, load: str = "stream") -> dict:
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-    with Fleet() as fleet:
-        target = Target(fleet.url, "/v1/chat/completions", BODY)
+    embed = load == "embed"
+    with Fleet(worker_args=("--runner", "pooling") if embed else ()) as fleet:
+        target = (Target(fleet.url, "/v1/embeddings", EMBED_BODY) if embed
+                  else Target(fleet.url, "/v1/chat/completions", BODY))
         uvloop.run(closed_loop(target, concurrency, 1.0))  # warm-up
         spy = subprocess.Popen([py_spy, "record", "-p", str(fleet.pid), "-d", str(int(seconds)), "-r", "100",
                                 "-f", "raw", "-o", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(1.0)  # py-spy attaches
         results, elapsed = uvloop.run(closed_loop(target, concurrency, seconds))
         spy.wait()
-    return summarize(results, elapsed, expected_tokens=TOKENS)
+    return summarize(results, elapsed, expected_tokens=None if embed else TOKENS)
 
 
 def top_functions(raw: Path, count: int) -> str:
@@ -61,13 +66,14 @@ def top_functions(raw: Path, count: int) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--load", choices=("stream", "embed"), default="stream")
     parser.add_argument("--seconds", type=float, default=10)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--top", type=int, default=30)
     args = parser.parse_args(argv)
     RESULTS.mkdir(parents=True, exist_ok=True)
     raw = RESULTS / "gateway_profile.txt"
-    load = record(args.seconds, args.concurrency, raw)
+    load = record(args.seconds, args.concurrency, raw, args.load)
     print(f"load: {load['requests_per_s']:.0f} req/s, {load['errors']} errors\n")
     print(top_functions(raw, args.top))
 

@@ -217,7 +217,8 @@ class Zygote:
         first = next(self._messages, None)
         if first is None or "ready" not in first:
             raise RuntimeError(f"the zygote did not start (exit status {self.process.wait()})")
-        threading.Thread(target=self._read, name="zygote-reader", daemon=True).start()
+        self._reader = threading.Thread(target=self._read, name="zygote-reader", daemon=True)
+        self._reader.start()
 
     def _read(self) -> None:
         for message in self._messages:
@@ -237,6 +238,14 @@ class Zygote:
                 raise RuntimeError("the zygote did not fork within 60 s")
             pid = self._started.pop()
         return ZygoteChild(self, pid, args)
+
+    def close(self, timeout: float = 10) -> int:
+        """End the zygote (its loop stops at EOF; the children it started run on): its exit status."""
+        self._sock.shutdown(socket.SHUT_WR)
+        status = self.process.wait(timeout)
+        self._reader.join(timeout)  # it reads the zygote's side to its end, closed with the zygote
+        self._sock.close()
+        return status
 
 
 _ZYGOTES: dict[tuple, Zygote] = {}
