@@ -1,0 +1,176 @@
+"""Where a stream's time and CPU go beside one engine: vllm serve against llmfleet, by stage.
+
+Starts `vllm serve` and llmfleet (Redis, one vLLM worker, a gateway) on the tiny model with the same
+engine options, and runs the same `vllm bench serve` workload (128 -> 128 tokens) against each in
+alternating rounds. Per run, beside the client's throughput, TTFT and ITL:
+
+- each engine's own figures, from its `/metrics` (means over the run): vLLM's inter-token latency
+  (timed by its engine core at each step) and time to first token;
+- llmfleet's stages, from its own metrics (means): the queue (gateway arrival to the worker's
+  claim), the worker's time to first token, the relay (a worker's write to the gateway's read),
+  the gateway's time to first token and the gaps between its token events;
+- CPU ms per output token of each process beside the engine (vllm serve's API server; llmfleet's
+  worker, gateway and Redis), over the client's whole call (its ~8 s start, when servers idle,
+  included);
+- Redis's commands per second during llmfleet's run.
+
+    python -m bench.engine_stages [--concurrency 8] [--prompts 96] [--rounds 2]
+
+Writes bench/results/engine_stages.json and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import redis as redis_client
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.common import ENGINE_ARGS, ENGINE_ENV, RESULTS, cpu_seconds
+from bench.engine_path import MODEL, bench_serve, start_vllm_serve, vllm_cli_env
+from tests.procs import start_gateway, start_redis, start_worker, wait_until_answers, wait_until_served
+
+# (label, metric, where): the histograms whose means a run reports, in ms.
+MEANS = [
+    ("engine ITL", "vllm:inter_token_latency_seconds", "engine"),
+    ("engine TTFT", "vllm:time_to_first_token_seconds", "engine"),
+    ("queue", "llmfleet_worker_queue_seconds", "worker"),
+    ("worker TTFT", "llmfleet_worker_time_to_first_token_seconds", "worker"),
+    ("relay", "llmfleet_gateway_relay_seconds", "gateway"),
+    ("gateway TTFT", "llmfleet_gateway_time_to_first_token_seconds", "gateway"),
+    ("gateway event gap", "llmfleet_gateway_inter_token_seconds", "gateway"),
+]
+
+
+def _sums(url: str) -> dict[str, float]:
+    """Every histogram's _sum and _count on `url`'s /metrics, summed over its labels."""
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name.endswith(("_sum", "_count")):
+                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
+
+
+def _mean_ms(before: dict[str, float], after: dict[str, float], metric: str) -> float | None:
+    count = after.get(f"{metric}_count", 0.0) - before.get(f"{metric}_count", 0.0)
+    if count <= 0:
+        return None
+    return 1000 * (after[f"{metric}_sum"] - before.get(f"{metric}_sum", 0.0)) / count
+
+
+def measure(name: str, url: str, sources: dict[str, str], pids: dict[str, int], store: redis_client.Redis | None,
+            model_dir: Path, workload: dict, env: dict, out: Path) -> dict:
+    """One `vllm bench serve` run against `url`: the client's figures, the stages' means, CPU per token."""
+    before = {where: _sums(source) for where, source in sources.items()}
+    cpu = {proc: cpu_seconds(pid) for proc, pid in pids.items()}
+    if store is not None:
+        store.config_resetstat()
+    started = time.monotonic()
+    result = bench_serve(url, model_dir, workload, env, out)
+    elapsed = time.monotonic() - started
+    tokens = result["completed"] * workload["output"]
+    row = {"server": name, "output_tok_s": result["output_throughput"], "ttft_p50_ms": result["median_ttft_ms"],
+           "ttft_p99_ms": result["p99_ttft_ms"], "itl_p50_ms": result["median_itl_ms"],
+           "itl_p99_ms": result["p99_itl_ms"],
+           "cpu_ms_per_token": {proc: 1000 * (cpu_seconds(pid) - cpu[proc]) / tokens for proc, pid in pids.items()}}
+    after = {where: _sums(source) for where, source in sources.items()}
+    row["means_ms"] = {label: _mean_ms(before[where], after[where], metric)
+                       for label, metric, where in MEANS if where in sources}
+    if store is not None:
+        row["redis_commands_per_s"] = {name.removeprefix("cmdstat_"): stats["calls"] / elapsed
+                                       for name, stats in store.info("commandstats").items()
+                                       if name not in ("cmdstat_config|resetstat", "cmdstat_info")}
+    return row
+
+
+def run(concurrency: int, prompts: int, rounds: int) -> dict:
+    from worker.tiny_model import write_tiny_model
+
+    workload = {"input": 128, "output": 128, "concurrency": concurrency, "prompts": prompts}
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="engine-stages-") as scratch, vllm_cli_env() as env, \
+            contextlib.ExitStack() as stack:  # every process stopped by its PID
+        scratch = Path(scratch)
+        model_dir = write_tiny_model(scratch / "tiny")
+        sys.stderr.write("starting vllm serve and an llmfleet vLLM worker on the tiny model (about a minute)...\n")
+        serve = start_vllm_serve(model_dir, env)
+        stack.callback(serve.stop, 60)
+        store = start_redis()
+        stack.callback(store.stop, 60)
+        worker = start_worker(store.url, str(model_dir), *ENGINE_ARGS, "--max-concurrency", "256", engine="vllm",
+                              served_name=MODEL, env=dict(ENGINE_ENV), timeout=600)
+        stack.callback(worker.stop, 60)
+        # vLLM's client splits SSE naively: it cannot read `id:` lines, so none are written.
+        gateway = start_gateway(store.url, env={"LLMFLEET_SSE_EVENT_IDS": "false"})
+        stack.callback(gateway.stop, 60)
+        wait_until_served(gateway, MODEL, timeout=60)
+        wait_until_answers(serve, "/v1/models", 600)
+        servers = {
+            "vllm serve": (serve.url, {"engine": serve.url}, {"api server": serve.pid}, None),
+            "llmfleet": (gateway.url, {"engine": worker.url, "worker": worker.url, "gateway": gateway.url},
+                         {"worker": worker.pid, "gateway": gateway.pid, "redis": store.pid},
+                         redis_client.Redis.from_url(store.url)),
+        }
+        for url, *_ in servers.values():  # warm-up: first requests pay one-off costs
+            bench_serve(url, model_dir, {"input": 128, "output": 16, "concurrency": 4, "prompts": 8}, env,
+                        scratch / "warmup.json")
+        for done in range(rounds):
+            order = list(servers) if done % 2 == 0 else list(reversed(servers))
+            for name in order:
+                url, sources, pids, store_client = servers[name]
+                row = measure(name, url, sources, pids, store_client, model_dir, workload, env,
+                              scratch / f"{done}-{name.replace(' ', '_')}.json")
+                row["round"] = done
+                rows.append(row)
+                sys.stderr.write(f"round {done + 1}/{rounds}, {name}: {row['output_tok_s']:.0f} tok/s\n")
+    return {"workload": workload, "rounds": rounds, "runs": rows}
+
+
+def _cell(value: float | None, digits: int = 1) -> str:
+    return "" if value is None else f"{value:,.{digits}f}"
+
+
+def table(result: dict) -> str:
+    labels = [label for label, *_ in MEANS]
+    lines = ["| round | server | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
+             + " | ".join(f"{label} ms" for label in labels) + " | CPU ms/token beside the engine |",
+             "|" + "---|" * (6 + len(labels))]
+    for row in result["runs"]:
+        cpu = ", ".join(f"{proc} {value:.3f}" for proc, value in row["cpu_ms_per_token"].items())
+        lines.append(f"| {row['round'] + 1} | {row['server']} | {row['output_tok_s']:,.0f} | "
+                     f"{row['ttft_p50_ms']:.1f} / {row['ttft_p99_ms']:.1f} | {row['itl_p50_ms']:.2f} / "
+                     f"{row['itl_p99_ms']:.2f} | " + " | ".join(_cell(row["means_ms"].get(label), 2) for label in labels)
+                     + f" | {cpu} |")
+    fleet = [row for row in result["runs"] if "redis_commands_per_s" in row]
+    if fleet:
+        names = sorted({name for row in fleet for name in row["redis_commands_per_s"]},
+                       key=lambda name: -statistics.median(row["redis_commands_per_s"].get(name, 0) for row in fleet))
+        lines.append("\nRedis commands a second during llmfleet's runs (median): " + ", ".join(
+            f"{name} {statistics.median(row['redis_commands_per_s'].get(name, 0) for row in fleet):.1f}"
+            for name in names[:12]))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--prompts", type=int, default=96)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args(argv)
+    result = run(args.concurrency, args.prompts, args.rounds)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "engine_stages.json").write_text(json.dumps(result, indent=2))
+    print(table(result))
+
+
+if __name__ == "__main__":
+    main()
