@@ -60,6 +60,12 @@ def _sums(url: str) -> dict[str, float]:
     return totals
 
 
+def _scrape(sources: dict[str, str]) -> dict[str, dict[str, float]]:
+    """`_sums` of each source, each URL read once (a vLLM worker serves its engine's metrics and its own)."""
+    read = {url: _sums(url) for url in set(sources.values())}
+    return {where: read[url] for where, url in sources.items()}
+
+
 def _mean_ms(before: dict[str, float], after: dict[str, float], metric: str) -> float | None:
     count = after.get(f"{metric}_count", 0.0) - before.get(f"{metric}_count", 0.0)
     if count <= 0:
@@ -70,7 +76,7 @@ def _mean_ms(before: dict[str, float], after: dict[str, float], metric: str) -> 
 def measure(name: str, url: str, sources: dict[str, str], pids: dict[str, int], store: redis_client.Redis | None,
             model_dir: Path, workload: dict, env: dict, out: Path) -> dict:
     """One `vllm bench serve` run against `url`: the client's figures, the stages' means, CPU per token."""
-    before = {where: _sums(source) for where, source in sources.items()}
+    before = _scrape(sources)
     cpu = {proc: cpu_seconds(pid) for proc, pid in pids.items()}
     if store is not None:
         store.config_resetstat()
@@ -82,7 +88,7 @@ def measure(name: str, url: str, sources: dict[str, str], pids: dict[str, int], 
            "ttft_p99_ms": result["p99_ttft_ms"], "itl_p50_ms": result["median_itl_ms"],
            "itl_p99_ms": result["p99_itl_ms"],
            "cpu_ms_per_token": {proc: 1000 * (cpu_seconds(pid) - cpu[proc]) / tokens for proc, pid in pids.items()}}
-    after = {where: _sums(source) for where, source in sources.items()}
+    after = _scrape(sources)
     row["means_ms"] = {label: _mean_ms(before[where], after[where], metric)
                        for label, metric, where in MEANS if where in sources}
     if store is not None:
