@@ -50,10 +50,11 @@ def test_a_child_has_the_environment_it_asks_for_not_the_zygotes():
 
 def test_a_child_killed_reports_the_signal_and_another_stopped_reports_its_exit(plain):
     redis = start_redis()
+    children = []
     try:
         args = ["gateway", "--host", "127.0.0.1", "--redis-url", redis.url]
-        killed = plain.spawn([*args, "--port", str(free_port())], {}, _log("killed"))
-        stopped = plain.spawn([*args, "--port", str(free_port())], {}, stopped_log := _log("stopped"))
+        children.append(killed := plain.spawn([*args, "--port", str(free_port())], {}, _log("killed")))
+        children.append(stopped := plain.spawn([*args, "--port", str(free_port())], {}, stopped_log := _log("stopped")))
         time.sleep(1.0)
         assert killed.poll() is None and stopped.poll() is None  # both serve until told
         killed.kill()
@@ -61,4 +62,8 @@ def test_a_child_killed_reports_the_signal_and_another_stopped_reports_its_exit(
         stopped.terminate()  # a gateway drains and exits cleanly on SIGTERM
         assert stopped.wait(60) == 0, stopped_log.read_text()[-2000:]
     finally:
+        for child in children:  # a failed assertion leaves no gateway running: each killed by its PID
+            if child.poll() is None:
+                child.kill()
+                child.wait(30)
         redis.stop()
