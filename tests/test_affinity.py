@@ -215,13 +215,34 @@ def test_a_dead_workers_requests_are_reclaimed(redis_url):
     assert not leftover_keys(redis_pool.connect_sync(redis_url))
 
 
-def _script_calls(client) -> int:
-    """The EVALSHA calls Redis has served, on every node of a cluster."""
+def _script_calls(client, command: str = "evalsha") -> int:
+    """The calls of `command` Redis has served (EVALSHA, or a command scripts run), on every node of a cluster."""
     if isinstance(client, RedisCluster):
         stats = client.info("commandstats", target_nodes=RedisCluster.ALL_NODES).values()
     else:
         stats = [client.info("commandstats")]
-    return sum(node.get("cmdstat_evalsha", {}).get("calls", 0) for node in stats)
+    return sum(node.get(f"cmdstat_{command}", {}).get("calls", 0) for node in stats)
+
+
+def test_requests_one_at_a_time_are_claimed_by_the_blocking_read_alone(redis_url):
+    """A worker whose last claim took fewer requests than it had room for goes straight back to its
+    blocking read: with requests coming one at a time, none runs the claiming script (`CLAIM`,
+    which reads both streams' waiting entries with XRANGE), where it ran once per request."""
+    model = "affinity-one-at-a-time"
+    started = [start_worker(redis_url, model)]
+    try:
+        started.append(gateway := start_gateway(redis_url))
+        wait_until_served(gateway, model)
+        for _ in range(3):  # the first claims after start-up may run it
+            _chat(gateway, [{"role": "user", "content": "hello"}], model=model)
+        client = redis_pool.connect_sync(redis_url)
+        before = _script_calls(client, "xrange")
+        for _ in range(20):
+            _chat(gateway, [{"role": "user", "content": "hello"}], model=model)
+        assert _script_calls(client, "xrange") - before <= 2  # a claim cut short by a stall of this machine, say
+    finally:
+        for proc in reversed(started):
+            proc.stop()
 
 
 def test_idle_workers_wait_on_the_doorbell_instead_of_polling(redis_url):

@@ -118,18 +118,28 @@ class RequestConsumer:
 
     async def claim_requests(self) -> None:
         """Claim as many requests as there are free slots: the oldest waiting in this worker's own
-        stream and its model's, blocking on both while they are empty."""
+        stream and its model's, blocking on both while they are empty.
+
+        A claim that took fewer than it had room for left nothing waiting in either stream, so the
+        next turn goes straight to the blocking read, which returns at once what came meanwhile: at
+        low load a request costs the claiming script's round trip (its streams' groups read, Redis
+        woken once more, and this worker) only when a backlog may be there to take oldest first."""
+        backlog = True  # whether requests may wait beyond what the last claim took
         while not self.draining:
             free = self.max_concurrency - self.in_flight
             if free <= 0:
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
+                backlog = True  # requests may have come while every slot was busy
                 continue
             try:
-                entries = (await self._oldest_waiting(free)
-                           or await self._read({self.own_stream: ">", self.stream: ">"}, free, CLAIM_BLOCK_MS))
+                entries = await self._oldest_waiting(free) if backlog else []
+                if not entries:
+                    entries = await self._read({self.own_stream: ">", self.stream: ">"}, free, CLAIM_BLOCK_MS)
+                backlog = len(entries) >= free
             except RedisError as exc:
                 log.warning("claiming requests failed: %s", exc)
+                backlog = True
                 await asyncio.sleep(0.5)
                 if "NOGROUP" in str(exc):  # Redis restarted empty, or our stream expired: make the group again
                     with contextlib.suppress(RedisError):
