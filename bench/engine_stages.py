@@ -5,7 +5,9 @@ engine options, and runs the same `vllm bench serve` workload (128 -> 128 tokens
 alternating rounds. Per run, beside the client's throughput, TTFT and ITL:
 
 - each engine's own figures, from its `/metrics` (means over the run): vLLM's inter-token latency
-  (timed by its engine core at each step) and time to first token;
+  (timed by its engine core at each step) and time to first token, this one's p50 and p99 too (in
+  5 ms buckets), timed from the request's arrival at the engine's client (`vllm serve`'s API
+  server, llmfleet's worker): beside the client's, what of a first token's tail the engine makes;
 - llmfleet's stages, from its own metrics (means): the queue (gateway arrival to the worker's
   claim), the worker's time to first token, the relay (a worker's write to the gateway's read),
   the gateway's time to first token and the gaps between its token events;
@@ -36,6 +38,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.common import ENGINE_ARGS, ENGINE_ENV, RESULTS, cpu_seconds
 from bench.engine_path import MODEL, bench_serve, start_vllm_serve, vllm_cli_env
+from bench.routers import engine_histogram, histogram_quantile
 from tests.procs import start_gateway, start_redis, start_worker, wait_until_answers, wait_until_served
 
 # (label, metric, where): the histograms whose means a run reports, in ms.
@@ -48,6 +51,9 @@ MEANS = [
     ("gateway TTFT", "llmfleet_gateway_time_to_first_token_seconds", "gateway"),
     ("gateway event gap", "llmfleet_gateway_inter_token_seconds", "gateway"),
 ]
+ENGINE_TTFT = "vllm:time_to_first_token_seconds"
+TTFT_BUCKETS_S = [round(0.005 * i, 3) for i in range(1, 301)] + [2.0, 3.0, 5.0, 10.0]
+ENGINE_BUCKETS = ("--custom-histogram-buckets", json.dumps({"time_to_first_token": TTFT_BUCKETS_S}))
 
 
 def _sums(url: str) -> dict[str, float]:
@@ -77,6 +83,7 @@ def measure(name: str, url: str, sources: dict[str, str], pids: dict[str, int], 
             model_dir: Path, workload: dict, env: dict, out: Path) -> dict:
     """One `vllm bench serve` run against `url`: the client's figures, the stages' means, CPU per token."""
     before = _scrape(sources)
+    ttft_before = engine_histogram(sources["engine"], metric=ENGINE_TTFT)
     cpu = {proc: cpu_seconds(pid) for proc, pid in pids.items()}
     if store is not None:
         store.config_resetstat()
@@ -89,6 +96,8 @@ def measure(name: str, url: str, sources: dict[str, str], pids: dict[str, int], 
            "itl_p99_ms": result["p99_itl_ms"],
            "cpu_ms_per_token": {proc: 1000 * (cpu_seconds(pid) - cpu[proc]) / tokens for proc, pid in pids.items()}}
     after = _scrape(sources)
+    ttft = engine_histogram(sources["engine"], minus=ttft_before, metric=ENGINE_TTFT)
+    row["engine_ttft_p50_ms"], row["engine_ttft_p99_ms"] = (1000 * histogram_quantile(ttft, q) for q in (0.5, 0.99))
     row["means_ms"] = {label: _mean_ms(before[where], after[where], metric)
                        for label, metric, where in MEANS if where in sources}
     if store is not None:
@@ -108,12 +117,12 @@ def run(concurrency: int, prompts: int, rounds: int) -> dict:
         scratch = Path(scratch)
         model_dir = write_tiny_model(scratch / "tiny")
         sys.stderr.write("starting vllm serve and an llmfleet vLLM worker on the tiny model (about a minute)...\n")
-        serve = start_vllm_serve(model_dir, env)
+        serve = start_vllm_serve(model_dir, env, *ENGINE_BUCKETS)
         stack.callback(serve.stop, 60)
         store = start_redis()
         stack.callback(store.stop, 60)
-        worker = start_worker(store.url, str(model_dir), *ENGINE_ARGS, "--max-concurrency", "256", engine="vllm",
-                              served_name=MODEL, env=dict(ENGINE_ENV), timeout=600)
+        worker = start_worker(store.url, str(model_dir), *ENGINE_ARGS, *ENGINE_BUCKETS, "--max-concurrency", "256",
+                              engine="vllm", served_name=MODEL, env=dict(ENGINE_ENV), timeout=600)
         stack.callback(worker.stop, 60)
         # vLLM's client splits SSE naively: it cannot read `id:` lines, so none are written.
         gateway = start_gateway(store.url, env={"LLMFLEET_SSE_EVENT_IDS": "false"})
@@ -147,13 +156,14 @@ def _cell(value: float | None, digits: int = 1) -> str:
 
 def table(result: dict) -> str:
     labels = [label for label, *_ in MEANS]
-    lines = ["| round | server | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
+    lines = ["| round | server | output tok/s | TTFT p50 / p99 ms | engine TTFT p50 / p99 ms | ITL p50 / p99 ms | "
              + " | ".join(f"{label} ms" for label in labels) + " | CPU ms/token beside the engine |",
-             "|" + "---|" * (6 + len(labels))]
+             "|" + "---|" * (7 + len(labels))]
     for row in result["runs"]:
         cpu = ", ".join(f"{proc} {value:.3f}" for proc, value in row["cpu_ms_per_token"].items())
         lines.append(f"| {row['round'] + 1} | {row['server']} | {row['output_tok_s']:,.0f} | "
-                     f"{row['ttft_p50_ms']:.1f} / {row['ttft_p99_ms']:.1f} | {row['itl_p50_ms']:.2f} / "
+                     f"{row['ttft_p50_ms']:.1f} / {row['ttft_p99_ms']:.1f} | "
+                     f"{row['engine_ttft_p50_ms']:.1f} / {row['engine_ttft_p99_ms']:.1f} | {row['itl_p50_ms']:.2f} / "
                      f"{row['itl_p99_ms']:.2f} | " + " | ".join(_cell(row["means_ms"].get(label), 2) for label in labels)
                      + f" | {cpu} |")
     fleet = [row for row in result["runs"] if "redis_commands_per_s" in row]
