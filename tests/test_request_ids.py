@@ -88,10 +88,11 @@ def test_text_lines_carry_the_request_id_and_fields(capsys) -> None:
 
 @pytest.mark.integration
 def test_a_stream_is_timed_at_every_stage(fleet) -> None:
-    """Inter-token latency and relay delay at the gateway, prefill and decode at the worker."""
+    """Inter-token latency and relay delay at the gateway; the lease's wait, prefill and decode at the worker."""
     gateway, worker = fleet
     series = {"itl": (gateway.url, "llmfleet_gateway_inter_token_seconds_count", {"model": MODEL}),
               "relay": (gateway.url, "llmfleet_gateway_relay_seconds_count", {}),
+              "lease": (worker.url, "llmfleet_worker_lease_wait_seconds_count", {"model": MODEL}),
               "prefill": (worker.url, "llmfleet_worker_time_to_first_token_seconds_count", {"model": MODEL}),
               "decode": (worker.url, "llmfleet_worker_decode_seconds_count", {"model": MODEL})}
     before = {key: metric_value(url, name, **labels) for key, (url, name, labels) in series.items()}
@@ -103,8 +104,9 @@ def test_a_stream_is_timed_at_every_stage(fleet) -> None:
     assert tokens >= 2
     after = {key: metric_value(url, name, **labels) for key, (url, name, labels) in series.items()}
     grown = {key: after[key] - before[key] for key in series}
-    # A gap between each pair of token events; at least one reply entry; one prefill and one decode.
-    assert grown["itl"] == tokens - 1 and grown["relay"] >= 1 and (grown["prefill"], grown["decode"]) == (1, 1), grown
+    # A gap between each pair of token events; at least one reply entry; one lease, one prefill and one decode.
+    assert grown["itl"] == tokens - 1 and grown["relay"] >= 1, grown
+    assert (grown["lease"], grown["prefill"], grown["decode"]) == (1, 1, 1), grown
 
 
 PACED_MODEL = "timed-model"

@@ -9,6 +9,9 @@ REQUESTS = Counter("llmfleet_worker_requests_total", "Requests answered, by fini
 IN_FLIGHT = Gauge("llmfleet_worker_in_flight", "Requests running on this worker", ["model"])
 QUEUE_TIME = Histogram("llmfleet_worker_queue_seconds", "Time from gateway arrival to claim", ["model"],
                        buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+LEASE_WAIT = Histogram("llmfleet_worker_lease_wait_seconds", "From a claimed request's start on the worker to its "
+                       "lease held: the lease's round trip, and the worker's loop before it reads the reply", ["model"],
+                       buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
 GENERATED_TOKENS = Counter("llmfleet_worker_generated_tokens_total", "Completion tokens generated", ["model"])
 POISON_MESSAGES = Counter("llmfleet_worker_poison_messages_total", "Malformed request envelopes dropped",
                           ["model"])

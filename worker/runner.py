@@ -133,6 +133,7 @@ class Runner:
         REQUEST_ID.set(request.client_request_id or request.request_id)  # this task's log lines (shared.logs)
         metrics.IN_FLIGHT.labels(self.model).set(self.in_flight)
         queued = max(0.0, time.time() - request.arrival)
+        asked = time.monotonic()
         taking = self.leases.take(request.request_id)  # queued before an early encoding's first step
         early = self._encode_early(request, reclaimed)
         try:
@@ -143,6 +144,7 @@ class Runner:
                 return
             if not lease:
                 return  # its worker is alive and holds the lease (and owns any cancel that came meanwhile)
+            metrics.LEASE_WAIT.labels(self.model).observe(time.monotonic() - asked)
             self.publisher.hold(request.request_id, lease, (stream, entry_id))
             if reclaimed:
                 metrics.RECLAIMED.labels(self.model).inc()
