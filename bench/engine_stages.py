@@ -9,8 +9,9 @@ alternating rounds. Per run, beside the client's throughput, TTFT and ITL:
   5 ms buckets), timed from the request's arrival at the engine's client (`vllm serve`'s API
   server, llmfleet's worker): beside the client's, what of a first token's tail the engine makes;
 - llmfleet's stages, from its own metrics (means): the queue (gateway arrival to the worker's
-  claim), the wait for the request's lease, the worker's time to first token, the relay (a worker's write to the gateway's read),
-  the gateway's time to first token and the gaps between its token events;
+  claim), the wait for the request's lease, the worker's time to first token, the relay (a
+  worker's write to the gateway's read), the gateway's time to first token and the gaps between
+  its token events;
 - CPU ms per output token of each process beside the engine (vllm serve's API server; llmfleet's
   worker, gateway and Redis), over the client's whole call (its ~8 s start, when servers idle,
   included);
@@ -38,13 +39,16 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.common import ENGINE_ARGS, ENGINE_ENV, RESULTS, cpu_seconds
 from bench.engine_path import MODEL, bench_serve, start_vllm_serve, vllm_cli_env
-from bench.routers import engine_histogram, histogram_quantile
+from bench.routers import histogram_quantile
 from tests.procs import start_gateway, start_redis, start_worker, wait_until_answers, wait_until_served
 
+ENGINE_TTFT = "vllm:time_to_first_token_seconds"  # its quantiles too, from these buckets:
+TTFT_BUCKETS_S = [round(0.005 * i, 3) for i in range(1, 301)] + [2.0, 3.0, 5.0, 10.0]
+ENGINE_BUCKETS = ("--custom-histogram-buckets", json.dumps({"time_to_first_token": TTFT_BUCKETS_S}))
 # (label, metric, where): the histograms whose means a run reports, in ms.
 MEANS = [
     ("engine ITL", "vllm:inter_token_latency_seconds", "engine"),
-    ("engine TTFT", "vllm:time_to_first_token_seconds", "engine"),
+    ("engine TTFT", ENGINE_TTFT, "engine"),
     ("queue", "llmfleet_worker_queue_seconds", "worker"),
     ("lease wait", "llmfleet_worker_lease_wait_seconds", "worker"),
     ("worker TTFT", "llmfleet_worker_time_to_first_token_seconds", "worker"),
@@ -52,19 +56,29 @@ MEANS = [
     ("gateway TTFT", "llmfleet_gateway_time_to_first_token_seconds", "gateway"),
     ("gateway event gap", "llmfleet_gateway_inter_token_seconds", "gateway"),
 ]
-ENGINE_TTFT = "vllm:time_to_first_token_seconds"
-TTFT_BUCKETS_S = [round(0.005 * i, 3) for i in range(1, 301)] + [2.0, 3.0, 5.0, 10.0]
-ENGINE_BUCKETS = ("--custom-histogram-buckets", json.dumps({"time_to_first_token": TTFT_BUCKETS_S}))
+_TTFT_BUCKET = f"{ENGINE_TTFT}_bucket"
 
 
 def _sums(url: str) -> dict[str, float]:
-    """Every histogram's _sum and _count on `url`'s /metrics, summed over its labels."""
+    """Every histogram's _sum and _count on `url`'s /metrics, summed over its labels, and the engine's
+    time-to-first-token buckets (as `_bucket:<bound>`)."""
     totals: dict[str, float] = {}
     for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
         for sample in family.samples:
-            if sample.name.endswith(("_sum", "_count")):
-                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+            name = sample.name
+            if name == _TTFT_BUCKET:
+                name = f"{name}:{sample.labels['le']}"
+            elif not name.endswith(("_sum", "_count")):
+                continue
+            totals[name] = totals.get(name, 0.0) + sample.value
     return totals
+
+
+def _engine_ttft_buckets(before: dict[str, float], after: dict[str, float]) -> list[tuple[float, float]]:
+    """The engine's time-to-first-token histogram between two `_sums`: (upper bound, cumulative count)."""
+    prefix = f"{_TTFT_BUCKET}:"
+    return sorted((float(name.removeprefix(prefix)), count - before.get(name, 0.0))
+                  for name, count in after.items() if name.startswith(prefix))
 
 
 def _scrape(sources: dict[str, str]) -> dict[str, dict[str, float]]:
@@ -84,7 +98,6 @@ def measure(name: str, url: str, sources: dict[str, str], pids: dict[str, int], 
             model_dir: Path, workload: dict, env: dict, out: Path) -> dict:
     """One `vllm bench serve` run against `url`: the client's figures, the stages' means, CPU per token."""
     before = _scrape(sources)
-    ttft_before = engine_histogram(sources["engine"], metric=ENGINE_TTFT)
     cpu = {proc: cpu_seconds(pid) for proc, pid in pids.items()}
     if store is not None:
         store.config_resetstat()
@@ -97,7 +110,7 @@ def measure(name: str, url: str, sources: dict[str, str], pids: dict[str, int], 
            "itl_p99_ms": result["p99_itl_ms"],
            "cpu_ms_per_token": {proc: 1000 * (cpu_seconds(pid) - cpu[proc]) / tokens for proc, pid in pids.items()}}
     after = _scrape(sources)
-    ttft = engine_histogram(sources["engine"], minus=ttft_before, metric=ENGINE_TTFT)
+    ttft = _engine_ttft_buckets(before["engine"], after["engine"])
     row["engine_ttft_p50_ms"], row["engine_ttft_p99_ms"] = (1000 * histogram_quantile(ttft, q) for q in (0.5, 0.99))
     row["means_ms"] = {label: _mean_ms(before[where], after[where], metric)
                        for label, metric, where in MEANS if where in sources}

@@ -164,10 +164,10 @@ def run(concurrencies: list[int], rounds: int, starts: int = 2) -> dict:
                     for round_ in range(start_rounds):  # back to back, each round in another order
                         shift = (start + round_) % len(names)
                         for name in names[shift:] + names[:shift]:
-                            itl_before = engine_histogram(servers.engine_metrics[name])
+                            itl_before = engine_itl_buckets(servers.engine_metrics[name])
                             result = bench_serve(urls[name], model_dir, case, env, Path(scratch) / f"{done}.json",
                                                  watch=servers.frontends[name])
-                            itl = engine_histogram(servers.engine_metrics[name], minus=itl_before)
+                            itl = engine_itl_buckets(servers.engine_metrics[name], minus=itl_before)
                             result["p50_engine_itl_ms"] = 1000 * histogram_quantile(itl, 0.50)
                             result["p99_engine_itl_ms"] = 1000 * histogram_quantile(itl, 0.99)
                             key = (concurrency, name)
@@ -199,13 +199,12 @@ def _keep_lowest(lowest: dict[str, float], reading: dict[str, float]) -> None:
         lowest[name] = min(value, lowest.get(name, value))
 
 
-def engine_histogram(url: str, minus: list[tuple[float, float]] | None = None,
-                     metric: str = "vllm:inter_token_latency_seconds") -> list[tuple[float, float]]:
-    """One of the engine's histograms on a server's /metrics (by default its inter-token latency), as
-    (upper bound, cumulative count) pairs; less `minus`, an earlier reading, for what came between."""
+def engine_itl_buckets(url: str, minus: list[tuple[float, float]] | None = None) -> list[tuple[float, float]]:
+    """The engine's inter-token latency histogram on a server's /metrics, as (upper bound, cumulative
+    count) pairs; less `minus`, an earlier reading, for what came between."""
     buckets: dict[float, float] = {}
     for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
-        if family.name == metric:
+        if family.name == "vllm:inter_token_latency_seconds":
             for sample in family.samples:
                 if sample.name.endswith("_bucket"):  # one series per engine: summed
                     bound = float(sample.labels["le"])
