@@ -9,7 +9,8 @@ alternating rounds. Per run, beside the client's throughput, TTFT and ITL:
   5 ms buckets), timed from the request's arrival at the engine's client (`vllm serve`'s API
   server, llmfleet's worker): beside the client's, what of a first token's tail the engine makes;
 - llmfleet's stages, from its own metrics (means): the queue (gateway arrival to the worker's
-  claim), the wait for the request's lease, the worker's time to first token, the relay (a
+  claim), the wait for the request's lease, the worker's time to first token, what the oldest
+  reply of a worker's write waited for it (per write, not per first token), the relay (a
   worker's write to the gateway's read), the gateway's time to first token and the gaps between
   its token events;
 - CPU ms per output token of each process beside the engine (vllm serve's API server; llmfleet's
@@ -52,6 +53,7 @@ MEANS = [
     ("queue", "llmfleet_worker_queue_seconds", "worker"),
     ("lease wait", "llmfleet_worker_lease_wait_seconds", "worker"),
     ("worker TTFT", "llmfleet_worker_time_to_first_token_seconds", "worker"),
+    ("publish wait", "llmfleet_worker_publish_wait_seconds", "worker"),
     ("relay", "llmfleet_gateway_relay_seconds", "gateway"),
     ("gateway TTFT", "llmfleet_gateway_time_to_first_token_seconds", "gateway"),
     ("gateway event gap", "llmfleet_gateway_inter_token_seconds", "gateway"),

@@ -13,6 +13,7 @@ import msgpack
 import msgspec
 import pytest
 import redis.asyncio as aioredis
+from prometheus_client import REGISTRY
 
 from gateway import metrics
 from gateway.fleet.relay import READ_BLOCK_MS, ReplyRouter
@@ -255,6 +256,33 @@ async def test_deltas_wait_out_the_pause_merged_but_a_first_output_ends_it(redis
         other = await asyncio.wait_for(queues[newcomer.request_id].get(), 5)
     assert [(e.seq, [c.text for c in e.chunks]) for e in (first, merged, other)] == [(0, ["a"]), (1, ["bc"]),
                                                                                      (0, ["x"])]
+
+
+async def test_each_write_counts_what_its_oldest_reply_waited_for_it(redis_url: str) -> None:
+    """One observation a write (llmfleet_worker_publish_wait_seconds): a first output goes out at
+    once; the deltas queued after it wait out most of the pause, merged into the next write."""
+    redis = aioredis.Redis.from_url(redis_url)
+    gateway, model = uuid.uuid4().hex, uuid.uuid4().hex  # a series of this test's own
+    router = ReplyRouter(redis, gateway)
+    request = _request(gateway, True)
+    queue = router.open(request.request_id)
+    publisher = ReplyPublisher(redis, "w1", coalesce_s=0.3, per_stream_s=0.3, most_s=0.3, model=model)
+    async with reading(router), running(publisher):
+        publisher.publish(request, GenerationChunk(text="a", token_count=1))
+        await asyncio.wait_for(queue.get(), 5)
+        publisher.publish(request, GenerationChunk(text="b", token_count=1))
+        publisher.publish(request, GenerationChunk(text="c", token_count=1))
+        merged = await asyncio.wait_for(queue.get(), 5)
+    assert [c.text for c in merged.chunks] == ["bc"]
+
+    def observed(le: str | None = None) -> float | None:
+        name = "llmfleet_worker_publish_wait_seconds_" + ("count" if le is None else "bucket")
+        return REGISTRY.get_sample_value(name, {"model": model, **({"le": le} if le else {})})
+
+    assert observed() == 2  # two writes
+    assert observed("0.1") == 1  # the first output's, at once; the deltas waited 0.3 s less the first's trip
+    await redis.delete(keys.streamed_key(request.request_id), keys.reply_stream(gateway))
+    await redis.aclose()
 
 
 @contextlib.asynccontextmanager

@@ -73,7 +73,7 @@ class Worker:
         # The per-request commands (lease, dead letters) of every request go out in shared pipelines:
         # a claim of hundreds of requests is one round trip, not hundreds of connections.
         self.batched = BatchedRedis(redis)
-        self.publisher = ReplyPublisher(redis, self.worker_id)
+        self.publisher = ReplyPublisher(redis, self.worker_id, model=self.model)
         self.leases = Leases(self.batched, self.worker_id)
         self.renewals = renewals  # the lease thread's own connection
         self.drain_timeout_s = drain_timeout_s  # a stop's runs past it are handed to other workers
@@ -96,7 +96,8 @@ class Worker:
         # (a series born at 1 shows no increase) and dashboards show 0 rather than nothing.
         for family in (metrics.QUEUE_TIME, metrics.GENERATED_TOKENS, metrics.POISON_MESSAGES,
                        metrics.CANCELS_FROM_STASH, metrics.TOKENS_AFTER_CANCEL, metrics.QUEUE_TIMEOUTS,
-                       metrics.CANCEL_LATENCY, metrics.RECLAIMED, metrics.PREFILL_TIME, metrics.DECODE_TIME):
+                       metrics.CANCEL_LATENCY, metrics.RECLAIMED, metrics.PREFILL_TIME, metrics.DECODE_TIME,
+                       metrics.LEASE_WAIT):
             family.labels(self.model)
         metrics.MIGRATIONS.labels(self.model)
         metrics.HANDED_OVER.labels(self.model)

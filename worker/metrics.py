@@ -12,6 +12,10 @@ QUEUE_TIME = Histogram("llmfleet_worker_queue_seconds", "Time from gateway arriv
 LEASE_WAIT = Histogram("llmfleet_worker_lease_wait_seconds", "From a claimed request's start on the worker to its "
                        "lease held: the lease's round trip, and the worker's loop before it reads the reply", ["model"],
                        buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
+PUBLISH_WAIT = Histogram("llmfleet_worker_publish_wait_seconds", "From the oldest reply a write carries being "
+                         "queued to the write: the pause that merges deltas under load (at most 6 ms), and the "
+                         "worker's loop; one per write", ["model"],
+                         buckets=(0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.02, 0.05, 0.1, 0.25, 1))
 GENERATED_TOKENS = Counter("llmfleet_worker_generated_tokens_total", "Completion tokens generated", ["model"])
 POISON_MESSAGES = Counter("llmfleet_worker_poison_messages_total", "Malformed request envelopes dropped",
                           ["model"])

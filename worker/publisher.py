@@ -18,7 +18,8 @@ each SSE event, for about a third less CPU per token beside the engine here, wit
 more between a client's events. A request's first output ends the pause: it never waits. Only
 what is queued waits the pause out: a write with nothing after it sets no timer, so a worker
 serving one client at a time (an engine step, or an encoding, longer than the pause) wakes once
-per write, not twice.
+per write, not twice. What the oldest reply of each write waited for it is the worker's
+`llmfleet_worker_publish_wait_seconds`: the pause's price in latency, as it is paid.
 
 The terminal chunk of a request is written in the same pipeline as the XACK and XDEL of its
 request entry (on a Redis Cluster, in the pipeline before them), after every earlier chunk: the
@@ -45,6 +46,7 @@ from shared.codec import MAX_ENVELOPE_BYTES, encode, encode_batch
 from shared.envelopes import ChunkEnvelope, GenerationChunk, RequestEnvelope
 from shared.redis_direct import Commands, direct_connection
 from shared.stopping import pause
+from worker import metrics
 
 log = logging.getLogger(__name__)
 
@@ -123,15 +125,17 @@ def _coalesce(chunks: list[GenerationChunk]) -> list[GenerationChunk]:
 
 class ReplyPublisher:
     def __init__(self, redis: aioredis.Redis, worker_id: str, coalesce_s: float = COALESCE_S,
-                 per_stream_s: float = COALESCE_PER_STREAM_S, most_s: float = COALESCE_MOST_S):
+                 per_stream_s: float = COALESCE_PER_STREAM_S, most_s: float = COALESCE_MOST_S, model: str = ""):
         self.redis = redis
         self.worker_id = worker_id
+        self._publish_wait = metrics.PUBLISH_WAIT.labels(model)
         self.coalesce_s = coalesce_s
         self.per_stream_s = per_stream_s
         self.most_s = most_s
         self._hurry: asyncio.Future | None = None  # set to end the pause between writes early
         self._urgent = False  # a first output is queued: no pause before the next write
         self._outboxes: dict[str, _Outbox] = {}
+        self._queued_at = 0.0  # when (monotonic) the oldest of `_outboxes` was queued
         self._seq: dict[str, int] = {}
         self._leases: dict[str, int] = {}  # request id -> fencing token of this worker's lease on it
         self._entries: dict[str, tuple[str, str]] = {}  # request id -> its entry (stream, id), told on seq 0
@@ -214,6 +218,8 @@ class ReplyPublisher:
     def _outbox(self, request: RequestEnvelope) -> _Outbox:
         outbox = self._outboxes.get(request.request_id)
         if outbox is None:
+            if not self._outboxes:  # the first since the last write: the one that waits longest
+                self._queued_at = time.monotonic()
             outbox = self._outboxes[request.request_id] = _Outbox(request.reply_to, request.request_id,
                                                                   request.batch_replies, request.reply_channel,
                                                                   lease=self._leases.get(request.request_id, 0))
@@ -259,6 +265,7 @@ class ReplyPublisher:
             started = time.monotonic()
             outboxes, self._outboxes = self._outboxes, {}
             if outboxes:
+                self._publish_wait.observe(started - self._queued_at)
                 await self._flush(list(outboxes.values()))
             next_write = started + self.pause_s(sum(1 for outbox in outboxes.values() if outbox.chunks))
         if self._direct is not None:
