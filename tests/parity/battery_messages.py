@@ -19,7 +19,7 @@ from typing import Any
 
 import anthropic
 
-from tests.parity.battery import THINK_MODEL, TOO_LONG, TOOLS_MODEL, Battery, Case
+from tests.parity.battery import CALL_ENDS, THINK_MODEL, TOO_LONG, TOOLS_MODEL, Battery, Case
 from tests.parity.compare import Answer
 from tests.parity.replay import replaying
 
@@ -84,8 +84,10 @@ def build() -> list[Case]:
     tools = [WEATHER, TIME]
     b.add("anthropic tools", "tool_choice tool", M,
           message(tools=tools, tool_choice={"type": "tool", "name": "get_time"}, max_tokens=40), both=True)
-    b.add("anthropic tools", "tool_choice any", M, message(tools=tools, tool_choice={"type": "any"}, max_tokens=60),
+    b.add("anthropic tools", "tool_choice any", M, message(tools=tools, tool_choice={"type": "any"}, max_tokens=CALL_ENDS),
           both=True)
+    b.add("anthropic tools", "tool_choice any, cut inside a second call", M,  # whole only: tests/parity/battery.py
+          message(tools=tools, tool_choice={"type": "any"}, max_tokens=60, stream=False))
     b.add("anthropic tools", "tool_choice any, no parallel calls", M,
           message(tools=tools, tool_choice={"type": "any", "disable_parallel_tool_use": True}, max_tokens=60),
           both=True)

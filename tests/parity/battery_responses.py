@@ -22,7 +22,7 @@ from typing import Any
 import pydantic
 from openai.types.responses import Response, ResponseStreamEvent
 
-from tests.parity.battery import NOT_JSON, PERSON_SCHEMA, THINK_MODEL, TOOLS_MODEL, Battery, Case
+from tests.parity.battery import CALL_ENDS, NOT_JSON, PERSON_SCHEMA, THINK_MODEL, TOOLS_MODEL, Battery, Case
 from tests.parity.compare import Answer, differences
 
 PATH = "/v1/responses"
@@ -68,8 +68,10 @@ def build() -> list[Case]:
                                                             max_output_tokens=12))
 
     both_tools = [WEATHER, TIME]
-    b.add("tools", "tool_choice required", R, tools(tools=both_tools, tool_choice="required", max_output_tokens=60),
+    b.add("tools", "tool_choice required", R, tools(tools=both_tools, tool_choice="required", max_output_tokens=CALL_ENDS),
           both=True)
+    b.add("tools", "tool_choice required, cut inside a second call", R,  # whole only: tests/parity/battery.py
+          tools(tools=both_tools, tool_choice="required", max_output_tokens=60, stream=False))
     b.add("tools", "tool_choice named", R, tools(tools=both_tools, tool_choice={"type": "function", "name": "get_time"},
                                                  max_output_tokens=40), both=True)
     b.add("tools", "tool_choice auto", R, tools(tools=both_tools, max_output_tokens=12), both=True)
