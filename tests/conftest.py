@@ -18,6 +18,7 @@ from tests.parity.harness import ENGINE_ENV, ENGINE_OPTIONS, ParserWorkers, Vllm
 from tests import procs
 from tests.procs import (
     Proc,
+    Script,
     start_gateway,
     start_redis,
     start_redis_cluster,
@@ -173,6 +174,30 @@ def classifier_pair(redis_url: str, tiny_model_dir: str):
     pair.stop()
 
 
+def _engine_script(name: str, module: str, model_dir: str):
+    script = Script(name, module, [model_dir], ENGINE_ENV)
+    yield script
+    script.stop()
+
+
+@pytest.fixture(scope="session")
+def plain_streams_run(tiny_model_dir: str):
+    """tests/plain_streams.py on an engine of its own (read by test_vllm_plain_streams.py): like
+    `classifier_pair`, started in the place of the parity battery's `vllm serve`s, or when first used."""
+    yield from _engine_script("plain-streams", "tests.plain_streams", tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def tool_call_continuation_run(tiny_model_dir: str):
+    """tests/tool_call_continuation.py on an engine of its own (read by
+    test_vllm_token_continuation.py), started as `plain_streams_run` is."""
+    yield from _engine_script("tool-call-continuation", "tests.tool_call_continuation", tiny_model_dir)
+
+
+# Where the parity battery's `vllm serve`s were: the engines that wait for their room.
+AFTER_THE_PARITY_BATTERY = ("classifier_pair", "plain_streams_run", "tool_call_continuation_run")
+
+
 MORTAL_MODEL = "tiny-mortal"  # served by the workers tests/faults/test_vllm_worker_deaths.py kills
 
 
@@ -190,6 +215,15 @@ def mortal_worker(redis_url: str, tiny_model_dir: str):
     worker = mortal_vllm_worker(redis_url, tiny_model_dir)
     yield worker
     worker.stop(timeout=60)  # killed by its test, unless that did not run
+
+
+@pytest.fixture(scope="session")
+def mortal_drainer(redis_url: str, tiny_model_dir: str):
+    """The worker the drain test stops (`--drain-timeout 0.2`): started by the first death test as
+    soon as its victim is dead, in that one's room, or when first used."""
+    worker = mortal_vllm_worker(redis_url, tiny_model_dir, "--drain-timeout", "0.2")
+    yield worker
+    worker.stop(timeout=60)  # stopped by its test, unless that did not run
 
 
 @pytest.fixture(scope="session")

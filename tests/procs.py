@@ -133,6 +133,31 @@ def spawn(name: str, args: list[str], env: dict[str, str] | None = None) -> Proc
     return Proc(name, popen, log_path)
 
 
+class Script:
+    """`python -m MODULE ARGS...` in the background, for a test to read when it is over: a check
+    that runs an engine of its own starts where the session has room for it and runs while other
+    tests do (an engine's start is mostly waiting). Its stdout goes to a file of its own, its log
+    beside the others'."""
+
+    def __init__(self, name: str, module: str, args: list[str], env: dict[str, str] | None = None):
+        LOG_DIR.mkdir(parents=True, exist_ok=True)
+        stamp = time.time_ns()
+        self.out_path, self.log_path = LOG_DIR / f"{name}-{stamp}.out", LOG_DIR / f"{name}-{stamp}.log"
+        self.args = [sys.executable, "-m", module, *args]
+        with open(self.out_path, "wb") as out, open(self.log_path, "wb") as log:
+            self.popen = subprocess.Popen(self.args, stdout=out, stderr=log, cwd=ROOT,
+                                          env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+
+    def result(self, timeout: float) -> subprocess.CompletedProcess:
+        """Its exit status, stdout and log once it has ended (SIGKILLed after `timeout`)."""
+        Proc(self.args[2], self.popen, self.log_path).wait_or_kill(timeout)
+        return subprocess.CompletedProcess(self.args, self.popen.returncode, self.out_path.read_text(),
+                                           self.log_path.read_text(errors="replace"))
+
+    def stop(self) -> None:
+        Proc(self.args[2], self.popen, self.log_path).kill()
+
+
 # Whether gateways and scripted workers fork from the zygote (tests/zygote.py): the test suite
 # turns it on (tests/conftest.py) unless LLMFLEET_TEST_ZYGOTE=0. Benchmarks and scripts leave it
 # off: they measure processes as deployed, each in a fresh interpreter.

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import start_if_the_session_needs
+from tests.conftest import AFTER_THE_PARITY_BATTERY, start_if_the_session_needs
 from tests.parity import battery_messages, battery_responses
 from tests.parity.battery import build
 from tests.parity.harness import details, run_battery, running_servers, summary
@@ -30,7 +30,7 @@ def test_every_answer_matches_vllm_serve(tiny_model_dir, parser_workers, vllm_se
     with running_servers(tiny_model_dir, parser_workers, vllm_serves) as servers:
         results = run_battery(servers)
     vllm_serves.stop()  # no other test needs them: their memory goes back before the compose stack's engine
-    start_if_the_session_needs(request, "classifier_pair")  # in their place
+    start_if_the_session_needs(request, *AFTER_THE_PARITY_BATTERY)  # in their place
     report = summary(results)
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     (LOG_DIR / "parity-report.md").write_text(report + "\n\n" + details(results) + "\n")

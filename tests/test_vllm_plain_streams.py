@@ -7,13 +7,9 @@ fingerprint."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.parity.harness import ENGINE_ENV
 from tests.plain_streams import CASES
 
 pytestmark = pytest.mark.vllm
@@ -39,9 +35,8 @@ def _answer(chunks: list) -> dict:
             "first_tokens": len(firsts), "usage_once": sum(chunk[7] is not None for chunk in deltas) == 1}
 
 
-def test_plain_streams_are_what_vllms_stream_handler_gives(tiny_model_dir):
-    ran = subprocess.run([sys.executable, "-m", "tests.plain_streams", tiny_model_dir], capture_output=True,
-                         text=True, timeout=480, env={**os.environ, **ENGINE_ENV}, check=False)
+def test_plain_streams_are_what_vllms_stream_handler_gives(plain_streams_run):
+    ran = plain_streams_run.result(timeout=480)
     assert ran.returncode == 0, ran.stderr[-3000:]
     result = json.loads(ran.stdout.strip().splitlines()[-1])
     assert result["plain_used"] == len(CASES)  # every case took the plain path

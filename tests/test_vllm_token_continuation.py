@@ -10,13 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 
 import pytest
-
-from tests.parity.harness import ENGINE_ENV
 
 pytestmark = pytest.mark.vllm
 
@@ -101,13 +96,12 @@ def test_a_stop_string_begun_before_the_break_ends_the_continuation_in_any_text(
     assert [o.outputs[0].text for o in outputs[1:]] == [" x", " y"] and not engine.closed
 
 
-def test_a_tool_call_half_streamed_is_continued_from_its_tokens_by_vllms_parser(tiny_model_dir):
+def test_a_tool_call_half_streamed_is_continued_from_its_tokens_by_vllms_parser(tool_call_continuation_run):
     """On real vLLM with the hermes tool parser (tests/tool_call_continuation.py): a call's stream
     cut in the middle of its arguments and continued from the engine's tokens sent up to there goes
     on where the client stood: the rest of the arguments, no second call header (its parser's
     state was rebuilt from the tokens), the whole run's finish, tokens and usage."""
-    ran = subprocess.run([sys.executable, "-m", "tests.tool_call_continuation", tiny_model_dir], capture_output=True,
-                         text=True, timeout=480, env={**os.environ, **ENGINE_ENV}, check=False)
+    ran = tool_call_continuation_run.result(timeout=480)
     assert ran.returncode == 0, ran.stderr[-3000:]
     result = json.loads(ran.stdout.strip().splitlines()[-1])
     whole, sent, continued = result["whole"], result["whole"][:result["sent"]], result["continued"]

@@ -13,7 +13,8 @@
 
 A vLLM worker takes ~30 s to start: both workers of the model start with the session's other
 engines (tests/conftest.py `mortal_worker`, `mortal_spare`). The spare is paused (SIGSTOP) while
-the first takes both requests, then takes them over; it is the second test's victim.
+the first takes both requests, then takes them over; it is the second test's victim. The drain
+test's worker (`mortal_drainer`) starts when the first victim dies.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import MORTAL_MODEL, mortal_vllm_worker
+from tests.conftest import MORTAL_MODEL, start_if_the_session_needs
 from tests.parity.battery import WEATHER_TOOL
 from tests.parity.harness import ENGINE_START_S
 from tests.procs import metric_value, start_gateway, wait_for, wait_registered, wait_until_served
@@ -63,12 +64,12 @@ def _kill_with_engine(worker) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def test_vllm_worker_killed_mid_generation(vllm_stack, mortal_worker, mortal_spare):
+def test_vllm_worker_killed_mid_generation(vllm_stack, mortal_worker, mortal_spare, request):
     # Without thinking, the reasoning parser's answer is content, as on the stack's worker (no such parser).
-    request = {"messages": MESSAGES, "max_tokens": 1500, "temperature": 0,
+    greedy = {"messages": MESSAGES, "max_tokens": 1500, "temperature": 0,
                "chat_template_kwargs": {"enable_thinking": False}}
     expected = httpx.post(f"{vllm_stack.gateway.url}/v1/chat/completions", timeout=120,
-                          json={**request, "model": vllm_stack.model}).json()["choices"][0]["message"]["content"]
+                          json={**greedy, "model": vllm_stack.model}).json()["choices"][0]["message"]["content"]
     doomed = wait_registered(mortal_worker, ENGINE_START_S)
     rescuer = wait_registered(mortal_spare, ENGINE_START_S)
     by_tokens = rescuer.log().count(FROM_TOKENS)
@@ -83,7 +84,7 @@ def test_vllm_worker_killed_mid_generation(vllm_stack, mortal_worker, mortal_spa
 
         def whole_answer() -> None:  # waits through the death and the takeover
             try:
-                result["response"] = httpx.post(url, json={**request, "model": MORTAL_MODEL}, timeout=400)
+                result["response"] = httpx.post(url, json={**greedy, "model": MORTAL_MODEL}, timeout=400)
             except httpx.HTTPError as exc:
                 result["response"] = exc
 
@@ -127,7 +128,7 @@ def test_vllm_worker_killed_mid_generation(vllm_stack, mortal_worker, mortal_spa
                        "messages": MESSAGES, "top_k": 1, "logit_bias": no_tags, **tools}, "top_k 1"))]
         for thread in sampled:
             thread.start()
-        streamed = {**request, "model": MORTAL_MODEL, "stream": True, "stream_options": {"include_usage": True}}
+        streamed = {**greedy, "model": MORTAL_MODEL, "stream": True, "stream_options": {"include_usage": True}}
         with httpx.stream("POST", url, json=streamed, timeout=60) as stream:
             lines = stream.iter_lines()
             data = [next(lines)]
@@ -137,6 +138,9 @@ def test_vllm_worker_killed_mid_generation(vllm_stack, mortal_worker, mortal_spa
             _kill_with_engine(doomed)
             killed_at = time.monotonic()
             os.kill(rescuer.pid, signal.SIGCONT)
+            # The drain test's worker starts in the victim's room. It claims nothing of this test's:
+            # the rescuer has claimed all within a second (--claim-idle 1), long before it serves.
+            start_if_the_session_needs(request, "mortal_drainer")
             gaps, last = [], killed_at
             for line in lines:
                 if line.startswith("data: "):
@@ -201,7 +205,7 @@ def test_vllm_worker_killed_mid_generation(vllm_stack, mortal_worker, mortal_spa
         _kill_with_engine(doomed)
 
 
-def test_vllm_worker_drained_mid_generation(vllm_stack, redis_url, tiny_model_dir, mortal_spare):
+def test_vllm_worker_drained_mid_generation(vllm_stack, mortal_spare, mortal_drainer):
     """SIGTERM to a vLLM worker (`--drain-timeout 0.2`) running two streams of 1,900 tokens: at its
     deadline it hands both to the other worker and exits, which continues each from the engine's
     tokens its client was sent: a greedy one, and a reasoning one sampled from one candidate a token
@@ -209,7 +213,7 @@ def test_vllm_worker_drained_mid_generation(vllm_stack, redis_url, tiny_model_di
     with no error, its usage counted once."""
     rescuer = wait_registered(mortal_spare, ENGINE_START_S)
     by_tokens = rescuer.log().count(FROM_TOKENS)
-    stopping = wait_registered(mortal_vllm_worker(redis_url, tiny_model_dir, "--drain-timeout", "0.2"), ENGINE_START_S)
+    stopping = wait_registered(mortal_drainer, ENGINE_START_S)
     no_tags = {str(tag): -100 for tag in range(5, 9)}  # <tool_call>, <think> and their ends: all reasoning
     bodies = {"greedy": {"messages": MESSAGES, "max_tokens": 1900, "temperature": 0, "ignore_eos": True,
                          "chat_template_kwargs": {"enable_thinking": False}},
