@@ -142,20 +142,20 @@ class Script:
     def __init__(self, name: str, module: str, args: list[str], env: dict[str, str] | None = None):
         LOG_DIR.mkdir(parents=True, exist_ok=True)
         stamp = time.time_ns()
-        self.out_path, self.log_path = LOG_DIR / f"{name}-{stamp}.out", LOG_DIR / f"{name}-{stamp}.log"
+        self.out_path, log_path = LOG_DIR / f"{name}-{stamp}.out", LOG_DIR / f"{name}-{stamp}.log"
         self.args = [sys.executable, "-m", module, *args]
-        with open(self.out_path, "wb") as out, open(self.log_path, "wb") as log:
-            self.popen = subprocess.Popen(self.args, stdout=out, stderr=log, cwd=ROOT,
-                                          env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        with open(self.out_path, "wb") as out, open(log_path, "wb") as log:
+            popen = subprocess.Popen(self.args, stdout=out, stderr=log, cwd=ROOT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        self.proc = Proc(name, popen, log_path)
 
     def result(self, timeout: float) -> subprocess.CompletedProcess:
         """Its exit status, stdout and log once it has ended (SIGKILLed after `timeout`)."""
-        Proc(self.args[2], self.popen, self.log_path).wait_or_kill(timeout)
-        return subprocess.CompletedProcess(self.args, self.popen.returncode, self.out_path.read_text(),
-                                           self.log_path.read_text(errors="replace"))
+        status = self.proc.wait_or_kill(timeout)
+        return subprocess.CompletedProcess(self.args, status, self.out_path.read_text(), self.proc.log())
 
     def stop(self) -> None:
-        Proc(self.args[2], self.popen, self.log_path).kill()
+        self.proc.kill()
 
 
 # Whether gateways and scripted workers fork from the zygote (tests/zygote.py): the test suite
