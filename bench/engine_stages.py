@@ -26,7 +26,6 @@ Writes bench/results/engine_stages.json and prints a markdown table.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import sys
@@ -38,10 +37,10 @@ import httpx
 import redis as redis_client
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.common import ENGINE_ARGS, ENGINE_ENV, RESULTS, cpu_seconds
-from bench.engine_path import MODEL, bench_serve, start_vllm_serve, vllm_cli_env
+from bench.common import RESULTS, cpu_seconds
+from bench.engine_path import Backends, bench_serve, start_vllm_serve, vllm_cli_env
 from bench.routers import histogram_quantile
-from tests.procs import start_gateway, start_redis, start_worker, wait_until_answers, wait_until_served
+from tests.procs import wait_until_answers
 
 ENGINE_TTFT = "vllm:time_to_first_token_seconds"  # its quantiles too, from these buckets:
 TTFT_BUCKETS_S = [round(0.005 * i, 3) for i in range(1, 301)] + [2.0, 3.0, 5.0, 10.0]
@@ -123,34 +122,36 @@ def measure(name: str, url: str, sources: dict[str, str], pids: dict[str, int], 
     return row
 
 
+class Pair(Backends):
+    """`vllm serve` and llmfleet (Redis, one vLLM worker, one gateway), each engine with the first
+    token's finer buckets; stopped on exit by PID."""
+
+    def start_pair(self, model_dir: Path, env: dict) -> dict[str, tuple]:
+        """Each server's URL, its /metrics sources, the PIDs beside its engine, and its Redis (or None)."""
+        sys.stderr.write("starting vllm serve and an llmfleet vLLM worker on the tiny model (about a minute)...\n")
+        self.frontends: dict[str, list[int]] = {}
+        serve = self._own(start_vllm_serve(model_dir, env, *ENGINE_BUCKETS))
+        urls: dict[str, str] = {}
+        worker = self._start_llmfleet("llmfleet", model_dir, urls, engine_args=ENGINE_BUCKETS)
+        wait_until_answers(serve, "/v1/models", 600)
+        worker_pid, gateway_pid, redis_pid = self.frontends["llmfleet"]
+        return {
+            "vllm serve": (serve.url, {"engine": serve.url}, {"api server": serve.pid}, None),
+            "llmfleet": (urls["llmfleet"], {"engine": worker.url, "worker": worker.url, "gateway": urls["llmfleet"]},
+                         {"worker": worker_pid, "gateway": gateway_pid, "redis": redis_pid},
+                         redis_client.Redis.from_url(worker.extra["redis_url"])),
+        }
+
+
 def run(concurrency: int, prompts: int, rounds: int) -> dict:
     from worker.tiny_model import write_tiny_model
 
     workload = {"input": 128, "output": 128, "concurrency": concurrency, "prompts": prompts}
     rows = []
-    with tempfile.TemporaryDirectory(prefix="engine-stages-") as scratch, vllm_cli_env() as env, \
-            contextlib.ExitStack() as stack:  # every process stopped by its PID
+    with tempfile.TemporaryDirectory(prefix="engine-stages-") as scratch, vllm_cli_env() as env, Pair() as pair:
         scratch = Path(scratch)
         model_dir = write_tiny_model(scratch / "tiny")
-        sys.stderr.write("starting vllm serve and an llmfleet vLLM worker on the tiny model (about a minute)...\n")
-        serve = start_vllm_serve(model_dir, env, *ENGINE_BUCKETS)
-        stack.callback(serve.stop, 60)
-        store = start_redis()
-        stack.callback(store.stop, 60)
-        worker = start_worker(store.url, str(model_dir), *ENGINE_ARGS, *ENGINE_BUCKETS, "--max-concurrency", "256",
-                              engine="vllm", served_name=MODEL, env=dict(ENGINE_ENV), timeout=600)
-        stack.callback(worker.stop, 60)
-        # vLLM's client splits SSE naively: it cannot read `id:` lines, so none are written.
-        gateway = start_gateway(store.url, env={"LLMFLEET_SSE_EVENT_IDS": "false"})
-        stack.callback(gateway.stop, 60)
-        wait_until_served(gateway, MODEL, timeout=60)
-        wait_until_answers(serve, "/v1/models", 600)
-        servers = {
-            "vllm serve": (serve.url, {"engine": serve.url}, {"api server": serve.pid}, None),
-            "llmfleet": (gateway.url, {"engine": worker.url, "worker": worker.url, "gateway": gateway.url},
-                         {"worker": worker.pid, "gateway": gateway.pid, "redis": store.pid},
-                         redis_client.Redis.from_url(store.url)),
-        }
+        servers = pair.start_pair(model_dir, env)
         for url, *_ in servers.values():  # warm-up: first requests pay one-off costs
             bench_serve(url, model_dir, {"input": 128, "output": 16, "concurrency": 4, "prompts": 8}, env,
                         scratch / "warmup.json")
