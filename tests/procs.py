@@ -116,38 +116,33 @@ def stop_all(procs: list[Proc], timeout: float = 30) -> list[int]:
     return [proc.wait_or_kill(timeout) for proc in procs]
 
 
-def spawn(name: str, args: list[str], env: dict[str, str] | None = None) -> Proc:
+def spawn(name: str, args: list[str], env: dict[str, str] | None = None, stdout: Path | None = None) -> Proc:
+    """`args` as a process (or a fork of the zygote), its output in a log of its own under LOG_DIR;
+    with `stdout`, its standard output in that file instead (for a program that prints a result)."""
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     log_path = LOG_DIR / f"{name}-{time.time_ns()}.log"
-    kind = _forkable(args, env)
+    kind = None if stdout else _forkable(args, env)
     if kind:  # `python -m llmfleet gateway|worker`: from the zygote
         # A vLLM worker's zygote is started with the engine's settings (read as libraries load).
         started_with = (env or {}) if kind == "vllm" else {}
         child = zygote(kind, started_with).spawn(args[3:], {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
                                                  log_path)
         return Proc(name, child, log_path)
-    log_file = open(log_path, "wb")  # noqa: SIM115 - owned by the child process
-    popen = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, cwd=ROOT,
-                             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
-    log_file.close()
+    with open(log_path, "wb") as log, open(stdout, "wb") if stdout else contextlib.nullcontext(log) as out:
+        popen = subprocess.Popen(args, stdout=out, stderr=log if stdout else subprocess.STDOUT, cwd=ROOT,
+                                 env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     return Proc(name, popen, log_path)
 
 
 class Script:
     """`python -m MODULE ARGS...` in the background, for a test to read when it is over: a check
     that runs an engine of its own starts where the session has room for it and runs while other
-    tests do (an engine's start is mostly waiting). Its stdout goes to a file of its own, its log
-    beside the others'."""
+    tests do (an engine's start is mostly waiting). Its stdout goes to a file of its own."""
 
     def __init__(self, name: str, module: str, args: list[str], env: dict[str, str] | None = None):
-        LOG_DIR.mkdir(parents=True, exist_ok=True)
-        stamp = time.time_ns()
-        self.out_path, log_path = LOG_DIR / f"{name}-{stamp}.out", LOG_DIR / f"{name}-{stamp}.log"
         self.args = [sys.executable, "-m", module, *args]
-        with open(self.out_path, "wb") as out, open(log_path, "wb") as log:
-            popen = subprocess.Popen(self.args, stdout=out, stderr=log, cwd=ROOT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
-        self.proc = Proc(name, popen, log_path)
+        self.out_path = LOG_DIR / f"{name}-{time.time_ns()}.out"
+        self.proc = spawn(name, self.args, env, stdout=self.out_path)
 
     def result(self, timeout: float) -> subprocess.CompletedProcess:
         """Its exit status, stdout and log once it has ended (SIGKILLed after `timeout`)."""

@@ -84,8 +84,8 @@ def build() -> list[Case]:
     tools = [WEATHER, TIME]
     b.add("anthropic tools", "tool_choice tool", M,
           message(tools=tools, tool_choice={"type": "tool", "name": "get_time"}, max_tokens=40), both=True)
-    b.add("anthropic tools", "tool_choice any", M, message(tools=tools, tool_choice={"type": "any"}, max_tokens=CALL_ENDS),
-          both=True)
+    b.add("anthropic tools", "tool_choice any", M,
+          message(tools=tools, tool_choice={"type": "any"}, max_tokens=CALL_ENDS), both=True)
     b.add("anthropic tools", "tool_choice any, cut inside a second call", M,  # whole only: tests/parity/battery.py
           message(tools=tools, tool_choice={"type": "any"}, max_tokens=60, stream=False))
     b.add("anthropic tools", "tool_choice any, no parallel calls", M,

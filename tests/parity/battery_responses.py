@@ -68,8 +68,8 @@ def build() -> list[Case]:
                                                             max_output_tokens=12))
 
     both_tools = [WEATHER, TIME]
-    b.add("tools", "tool_choice required", R, tools(tools=both_tools, tool_choice="required", max_output_tokens=CALL_ENDS),
-          both=True)
+    b.add("tools", "tool_choice required", R,
+          tools(tools=both_tools, tool_choice="required", max_output_tokens=CALL_ENDS), both=True)
     b.add("tools", "tool_choice required, cut inside a second call", R,  # whole only: tests/parity/battery.py
           tools(tools=both_tools, tool_choice="required", max_output_tokens=60, stream=False))
     b.add("tools", "tool_choice named", R, tools(tools=both_tools, tool_choice={"type": "function", "name": "get_time"},
