@@ -124,8 +124,10 @@ def start_litellm(executable: Path, upstream: str, directory: Path) -> Proc:
     return proc
 
 
-def bench_serve(url: str, model_dir: Path, workload: dict, env: dict, out: Path, watch: Iterable[int] = ()) -> dict:
-    """One `vllm bench serve` run; its saved result JSON. With `watch`, the CPU seconds those
+def bench_serve(url: str, model_dir: Path, workload: dict, env: dict, out: Path, watch: Iterable[int] = (),
+                detailed: bool = False) -> dict:
+    """One `vllm bench serve` run; its saved result JSON (`detailed`: with each request's time to
+    first token and inter-token gaps, `ttfts` and `itls`). With `watch`, the CPU seconds those
     processes spent during the benchmark itself (`watched_cpu_s`: from the client's "Starting main
     benchmark run" to its result, read off its output as it prints) and during the whole call
     (`watched_cpu_s_call`: with the ~8 s the client spends starting, when a server only idles)."""
@@ -134,7 +136,7 @@ def bench_serve(url: str, model_dir: Path, workload: dict, env: dict, out: Path,
             "--random-output-len", str(workload["output"]), "--num-prompts", str(workload["prompts"]),
             "--max-concurrency", str(workload["concurrency"]), "--ignore-eos", "--seed", "0", "--disable-tqdm",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--save-result",
-            "--result-dir", str(out.parent), "--result-filename", out.name]
+            "--result-dir", str(out.parent), "--result-filename", out.name] + ["--save-detailed"] * detailed
     watch = list(watch)
     cpu = {"call": sum(cpu_seconds(pid) for pid in watch)}
     client = subprocess.Popen(args, env={**os.environ, **env, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
