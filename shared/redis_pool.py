@@ -25,7 +25,8 @@ Whatever the topology, the client keeps the same manners:
   `RuntimeError: ... the handler is closed` (MagicStack/uvloop#506), where asyncio's own loop
   gives an `OSError`. redis-py turns only the latter into a `ConnectionError`, so a Redis restart
   could escape every `except RedisError` and fail an answer that was already complete. The pool's
-  connections read the uvloop error as the `ConnectionError` it is.
+  connections read the uvloop error as the `ConnectionError` it is. (redis-py 8.2 also looks at the
+  transport before each write, and raises a `ConnectionError` itself if it is already closing.)
 """
 
 from __future__ import annotations

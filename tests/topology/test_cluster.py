@@ -19,6 +19,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from shared import keys, redis_pool
 from shared.redis_batch import BatchedRedis
 from tests.procs import start_redis_cluster
+from tests.test_redis_pool import CLOSED_UNDER_A_WRITE
 from tests.topology.servers import require
 
 pytestmark = pytest.mark.topology
@@ -79,7 +80,7 @@ def test_a_write_to_a_socket_closed_under_it_is_a_connection_error(cluster_url):
             connection = node.acquire_connection()
             await connection.connect()
             connection._writer.transport.abort()  # the socket is gone, as when a node restarts
-            with pytest.raises(RedisConnectionError, match="handler is closed"):
+            with pytest.raises(RedisConnectionError, match=CLOSED_UNDER_A_WRITE):
                 await connection.send_packed_command(PING, check_health=False)
             node.release(connection)
         finally:

@@ -24,6 +24,7 @@ import uvloop
 
 from shared import redis_pool
 from tests.procs import start_gateway, start_worker, wait_for, wait_until_served
+from tests.test_redis_pool import CLOSED_UNDER_A_WRITE
 from tests.topology.servers import SentinelSet, expected_text, require, start_sentinel_set
 
 pytestmark = [pytest.mark.topology, pytest.mark.integration]
@@ -175,7 +176,7 @@ def test_the_sentinel_pool_keeps_the_manners_of_the_single_server_one(sentinels)
             connection = await client.connection_pool.get_connection()
             try:
                 connection._writer.transport.abort()  # the socket is gone, as when the primary dies
-                with pytest.raises(redis.ConnectionError, match="handler is closed"):
+                with pytest.raises(redis.ConnectionError, match=CLOSED_UNDER_A_WRITE):
                     await connection.send_packed_command(b"*1\r\n$4\r\nPING\r\n", check_health=False)
             finally:
                 await client.connection_pool.release(connection)
