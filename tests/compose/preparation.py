@@ -3,6 +3,13 @@
 The builds take minutes, mostly inside dockerd and pip, so they start in a thread as soon as the
 suite is collected (tests/conftest.py, when a test of the stack was selected) and the rest of the
 suite runs meanwhile; the stack's tests are ordered last, and the `stack` fixture waits for this.
+
+Each image is built as docker-compose.yml (with the tier's override) says: its context, Dockerfile,
+target, arguments and network, read from `docker-compose config`, and its tag. They are built with
+BuildKit where a docker client here has it, the three at once (BuildKit builds their shared stages
+once). Measured here, alone, from an empty cache: the CPU worker's image took 127 s that way against
+174 s with the legacy builder (docker-compose 1.29's), which copies each layer as it commits it.
+Elsewhere the legacy builder builds them one after another.
 Where Docker cannot be had the tier skips and says why; with LLMFLEET_COMPOSE_REQUIRED=1 (CI)
 that is a failure instead.
 """
@@ -10,10 +17,13 @@ that is a failure instead.
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import threading
 import time
 
 import pytest
+import yaml
 
 from tests.compose.harness import (
     BASE_IMAGE,
@@ -102,7 +112,6 @@ PREPARATION = Preparation()
 def _stack_env(wheels: WheelServer) -> dict[str, str]:
     return {
         **os.environ,
-        "DOCKER_BUILDKIT": "0", "COMPOSE_DOCKER_CLI_BUILD": "0",  # the legacy builder, as docker-compose 1.29 has
         "LLMFLEET_BASE_IMAGE": BASE_IMAGE,
         "LLMFLEET_PIP_INSTALL_ARGS": wheels.pip_args,
         "LLMFLEET_REDIS_IMAGE": INFRA_IMAGE, "LLMFLEET_NGINX_IMAGE": INFRA_IMAGE,
@@ -119,14 +128,66 @@ def _build(stack: ComposeStack, env: dict[str, str], log) -> None:
     started = time.monotonic()
     ensure_base_image(log)
     TIMINGS["base_image_s"] = elapsed(started)
+    builds = {"infra_image_s": ["-t", INFRA_IMAGE, "--build-arg", f"BASE_IMAGE={BASE_IMAGE}", str(HERE / "infra")]}
+    config = yaml.safe_load(stack("config", log=False).stdout)["services"]
+    for service in ("gateway", "worker"):
+        build, image = config[service]["build"], config[service]["image"]
+        builds[f"build_{build['target']}_s"] = _build_arguments(build, image)
+    docker = buildkit_docker()
     started = time.monotonic()
-    run("docker", "build", "-q", "-t", INFRA_IMAGE, "--build-arg", f"BASE_IMAGE={BASE_IMAGE}", str(HERE / "infra"),
-        env=env, log=log)
-    TIMINGS["infra_image_s"] = elapsed(started)
-    for service, target in (("gateway", "gateway"), ("worker", "worker-cpu")):
-        started = time.monotonic()
-        stack("build", service, timeout=1800)
-        TIMINGS[f"build_{target}_s"] = elapsed(started)
+    if docker is None:
+        for name, arguments in builds.items():
+            run("docker", "build", "-q", *arguments, env={**env, "DOCKER_BUILDKIT": "0"}, log=log)
+            TIMINGS[name] = elapsed(started)
+            started = time.monotonic()
+        return
+    logs = {name: LOG_DIR / f"compose-tier-{name.removesuffix('_s')}.log" for name in builds}
+    procs = {}
+    for name, arguments in builds.items():
+        with logs[name].open("w") as out:
+            procs[name] = subprocess.Popen([docker, "build", "--progress", "plain", *arguments], stdout=out,
+                                           stderr=subprocess.STDOUT, env={**env, "DOCKER_BUILDKIT": "1"})
+    failed = []
+    while procs:  # each build's time is how long after the three began it ended
+        for name, proc in list(procs.items()):
+            if proc.poll() is not None:
+                TIMINGS[name] = elapsed(started)
+                del procs[name]
+                if proc.returncode:
+                    failed.append(f"{name.removesuffix('_s')} exited {proc.returncode} (see {logs[name]})")
+        time.sleep(0.5)
+    with log.open("a") as out:
+        for path in logs.values():
+            out.write(path.read_text())
+    if failed:
+        raise RuntimeError("docker build failed: " + "; ".join(failed))
+
+
+def _build_arguments(build: dict, image: str) -> list[str]:
+    """`docker build`'s arguments for a service's `build:` section as `docker-compose config` resolves it."""
+    arguments = ["-f", os.path.join(build["context"], build.get("dockerfile", "Dockerfile")), "-t", image]
+    if build.get("target"):
+        arguments += ["--target", build["target"]]
+    for name, value in (build.get("args") or {}).items():
+        arguments += ["--build-arg", f"{name}={value}"]
+    if build.get("network"):
+        arguments += ["--network", build["network"]]
+    return [*arguments, build["context"]]
+
+
+def buildkit_docker() -> str | None:
+    """A docker client that builds with BuildKit: one with the buildx plugin, or one older than 23.0,
+    which has BuildKit built in (Debian bookworm's docker.io is 20.10, and /usr/bin/docker even where
+    a newer client without buildx comes first on PATH). None where there is neither."""
+    for client in dict.fromkeys(filter(None, (shutil.which("docker"), "/usr/bin/docker"))):
+        if not os.access(client, os.X_OK):
+            continue
+        if run(client, "buildx", "version", check=False).returncode == 0:
+            return client
+        version = run(client, "version", "--format", "{{.Client.Version}}", check=False).stdout.strip()
+        if version.split(".")[0].isdigit() and int(version.split(".")[0]) < 23:
+            return client
+    return None
 
 
 def main() -> int:
