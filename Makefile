@@ -6,7 +6,8 @@ BIN    := $(VENV)/bin
 ENGINE ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 STAMP  := $(VENV)/.installed-$(ENGINE)
 
-.PHONY: install system-deps bytecode up test test-processes compose-wheels compose-base compose-prefetch compose-images test-vllm test-compose test-cluster test-lanes test-cluster-after-vllm test-compose-after-vllm test-fast soak lint clean bench parity
+.PHONY: install system-deps bytecode up test test-processes compose-wheels compose-base compose-prefetch compose-images test-vllm test-compose test-cluster test-lanes test-cluster-after-vllm test-compose-after-vllm \
+        test-vllm-after-processes compose-images-after-processes compose-images-idle test-fast soak lint clean bench parity
 
 install: $(STAMP)
 
@@ -61,21 +62,29 @@ up: install
 #    engines: Docker's containers share the CPU with the whole test run as equals (cgroup v1: the
 #    /docker group against the run's autogroup), so when it did, each slowed the other (measured: a
 #    run of 1,497 s where the same commit took 935 s; the engines took 355 s to start, not 88 s).
-# (Measured: the images built beside the first pass, three lanes at once, or the vLLM engines
-# started beside the first pass made timing-sensitive tests fail: two cores are shared.)
+# The images begin to build with the first pass, at idle CPU priority: they take only the CPU its
+# tests leave (`python -m tests.compose.preparation --idle`, where the machine allows it); what is
+# left of them builds beside the vLLM tier. (Measured: the images built beside the first pass at
+# the same priority, three lanes at once, or the vLLM engines started beside the first pass made
+# timing-sensitive tests fail: two cores are shared.)
 test: install system-deps bytecode
-	$(MAKE) --no-print-directory test-processes
-	$(MAKE) --no-print-directory -j2 -Otarget test-lanes
+	$(MAKE) --no-print-directory -j3 -Otarget test-lanes
 
 test-lanes: test-cluster-after-vllm test-compose-after-vllm
 
 test-cluster: install
 	LLMFLEET_TEST_REDIS=cluster $(BIN)/python -m pytest -q -n 2 --dist worksteal -m "cluster and not vllm" --durations=10
 
-test-cluster-after-vllm: test-vllm
+test-vllm-after-processes: test-processes
+	$(MAKE) --no-print-directory test-vllm
+
+compose-images-after-processes: test-processes compose-images-idle
+	$(MAKE) --no-print-directory compose-images
+
+test-cluster-after-vllm: test-vllm-after-processes
 	$(MAKE) --no-print-directory test-cluster
 
-test-compose-after-vllm: test-vllm compose-images
+test-compose-after-vllm: test-vllm-after-processes compose-images-after-processes
 	$(MAKE) --no-print-directory test-compose
 
 # The project's own bytecode, once: where PYTHONDONTWRITEBYTECODE is set (as on CI machines),
@@ -118,6 +127,9 @@ compose-prefetch: compose-wheels compose-base
 # The compose tier's images, built before its tests (which then find every layer cached).
 compose-images: install system-deps
 	$(BIN)/python -m tests.compose.preparation
+
+compose-images-idle: install system-deps
+	$(BIN)/python -m tests.compose.preparation --idle
 
 test-vllm: install
 	$(BIN)/python -m pytest -q -m vllm --durations=25

@@ -65,8 +65,9 @@ def run(*args: str, timeout: float = 1800, check: bool = True, env: dict[str, st
 class DockerDaemon:
     """Docker as found, or Debian's dockerd started here; stop() stops only one started here."""
 
-    def __init__(self):
+    def __init__(self, cgroup_parent: str = ""):
         self.started: subprocess.Popen | None = None
+        self.cgroup_parent = cgroup_parent  # where the containers of a dockerd started here go (its --cgroup-parent)
 
     def ensure(self) -> None:
         for tool in ("docker", "docker-compose"):
@@ -79,7 +80,9 @@ class DockerDaemon:
             raise Unavailable("`docker info` fails and dockerd cannot be started here (needs root and dockerd)")
         LOG_DIR.mkdir(parents=True, exist_ok=True)
         with (LOG_DIR / "dockerd.log").open("ab") as log:
-            self.started = subprocess.Popen(["dockerd"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            options = ["--cgroup-parent", self.cgroup_parent] if self.cgroup_parent else []
+            self.started = subprocess.Popen(["dockerd", *options], stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
         try:
             wait_for(lambda: self.started.poll() is not None or self._answers(), 60, "dockerd to answer",
                      interval=0.5)

@@ -16,11 +16,14 @@ that is a failure instead.
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import os
 import shutil
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -55,8 +58,8 @@ def _unavailable(reason: str):
 class Preparation:
     """Docker, the wheels and the images, made in a thread; `wait` hands over the stack to bring up."""
 
-    def __init__(self):
-        self.daemon = DockerDaemon()
+    def __init__(self, daemon: DockerDaemon | None = None):
+        self.daemon = daemon or DockerDaemon()
         self.log = LOG_DIR / "compose-tier.log"
         self.wheels: WheelServer | None = None
         self.stack: ComposeStack | None = None
@@ -190,21 +193,85 @@ def buildkit_docker() -> str | None:
     return None
 
 
-def main() -> int:
-    """Build the images now (`make test` does it beside the vLLM tier, and runs the tier after it): the compose tier, run
-    later, then finds every layer cached. Where Docker cannot be had, say why and leave it to the
-    tier (which skips, or fails under LLMFLEET_COMPOSE_REQUIRED=1)."""
-    preparation = Preparation()
-    preparation.start()
-    preparation._thread.join()
-    preparation.stop()
+class IdleCgroup:
+    """A CPU cgroup at idle priority (`cpu.idle`: its processes run only on CPU nothing else wants),
+    this process moved into it, so that what it starts runs there too: dockerd, and through its
+    --cgroup-parent the containers of its builds. Two groups under it, as cgroup v2 wants processes
+    only in leaves: `tools` (this process and its children) and `containers`. Raises OSError where
+    it cannot be had (not root, no cpu controller, a kernel before 5.15 without cpu.idle)."""
+
+    NAME = "llmfleet-compose-images"
+
+    def __init__(self):
+        v1 = Path("/sys/fs/cgroup/cpu")
+        self.v2 = not (v1 / "cgroup.procs").exists()
+        self.root = Path("/sys/fs/cgroup") if self.v2 else v1
+        self.group = self.root / self.NAME
+        self.containers = f"/{self.NAME}/containers"
+
+    def __enter__(self) -> IdleCgroup:
+        try:
+            self.group.mkdir(exist_ok=True)
+            (self.group / "cpu.idle").write_text("1")
+            if self.v2:
+                (self.group / "cgroup.subtree_control").write_text("+cpu")
+            (self.group / "tools").mkdir(exist_ok=True)
+            (self.group / "tools" / "cgroup.procs").write_text(str(os.getpid()))
+        except OSError:
+            self._remove()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        (self.root / "cgroup.procs").write_text(str(os.getpid()))
+        self._remove()
+
+    def _remove(self) -> None:
+        """The groups, deepest first, in every hierarchy dockerd made them in (cgroup v1 has one per controller)."""
+        for tree in [self.group] if self.v2 else Path("/sys/fs/cgroup").glob(f"*/{self.NAME}"):
+            for directory in sorted((d for d in tree.rglob("*") if d.is_dir()), key=lambda d: -len(d.parts)):
+                with contextlib.suppress(OSError):
+                    directory.rmdir()
+            with contextlib.suppress(OSError):
+                tree.rmdir()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Build the images now: the compose tier, run later, then finds every layer cached. Where Docker
+    cannot be had, say why and leave it to the tier (which skips, or fails under
+    LLMFLEET_COMPOSE_REQUIRED=1).
+
+    `make test` runs this twice. With --idle, beside the first pass: at idle CPU priority
+    (`IdleCgroup`), with a dockerd of its own, so that the builds take only the CPU the tests leave
+    (run beside them at the same priority, they made timing-sensitive tests fail); where that cannot
+    be had, it builds nothing. Then without, beside the vLLM tier: what is left to build."""
+    parser = argparse.ArgumentParser(prog="python -m tests.compose.preparation")
+    parser.add_argument("--idle", action="store_true", help="build at idle CPU priority, or not at all")
+    idle = parser.parse_args(argv).idle
+    with contextlib.ExitStack() as stack:
+        daemon = DockerDaemon()
+        if idle:
+            if DockerDaemon._answers():
+                print("compose images: not built at idle priority: a Docker daemon already runs here")
+                return 0
+            try:
+                group = stack.enter_context(IdleCgroup())
+            except OSError as exc:
+                print(f"compose images: not built at idle priority: no idle CPU cgroup here ({exc})")
+                return 0
+            daemon = DockerDaemon(cgroup_parent=group.containers)
+        preparation = Preparation(daemon)
+        preparation.start()
+        preparation._thread.join()
+        preparation.stop()
     if isinstance(preparation.error, Unavailable):
         print(f"compose images: not built: {preparation.error}")
         return 0
     if preparation.error is not None:
         print(f"compose images: the build failed: {preparation.error!r} (log: {preparation.log})")
         return 1
-    print("compose images built: " + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in TIMINGS.items()))
+    print(f"compose images built{' at idle priority' if idle else ''}: "
+          + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in TIMINGS.items()))
     return 0
 
 
