@@ -147,7 +147,9 @@ def _build(stack: ComposeStack, env: dict[str, str], log) -> None:
     logs = {name: LOG_DIR / f"compose-tier-{name.removesuffix('_s')}.log" for name in builds}
     procs = {}
     for name, arguments in builds.items():
-        with logs[name].open("w") as out:
+        with logs[name].open("a") as out:  # after an earlier preparation's (`make test` has two)
+            out.write(f"\n$ docker build {' '.join(arguments)}\n")
+            out.flush()
             procs[name] = subprocess.Popen([docker, "build", "--progress", "plain", *arguments], stdout=out,
                                            stderr=subprocess.STDOUT, env={**env, "DOCKER_BUILDKIT": "1"})
     failed = []
@@ -159,9 +161,6 @@ def _build(stack: ComposeStack, env: dict[str, str], log) -> None:
                 if proc.returncode:
                     failed.append(f"{name.removesuffix('_s')} exited {proc.returncode} (see {logs[name]})")
         time.sleep(0.5)
-    with log.open("a") as out:
-        for path in logs.values():
-            out.write(path.read_text())
     if failed:
         raise RuntimeError("docker build failed: " + "; ".join(failed))
 
