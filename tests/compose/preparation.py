@@ -195,25 +195,25 @@ def buildkit_docker() -> str | None:
 class IdleCgroup:
     """A CPU cgroup at idle priority (`cpu.idle`: its processes run only on CPU nothing else wants),
     this process moved into it, so that what it starts runs there too: dockerd, and through its
-    --cgroup-parent the containers of its builds. Two groups under it, as cgroup v2 wants processes
-    only in leaves: `tools` (this process and its children) and `containers`. Raises OSError where
-    it cannot be had (not root, no cpu controller, a kernel before 5.15 without cpu.idle)."""
+    --cgroup-parent the containers of its builds. Two groups under it: `tools` (this process and its
+    children) and `containers`. cgroup v1 only (the test machines'), where dockerd's cgroupfs driver
+    takes any parent path; raises OSError where it cannot be had (not root, cgroup v2, a kernel
+    before 5.15 without cpu.idle)."""
 
-    NAME = "llmfleet-compose-images"
+    ROOT = Path("/sys/fs/cgroup/cpu")
 
-    def __init__(self):
-        v1 = Path("/sys/fs/cgroup/cpu")
-        self.v2 = not (v1 / "cgroup.procs").exists()
-        self.root = Path("/sys/fs/cgroup") if self.v2 else v1
-        self.group = self.root / self.NAME
-        self.containers = f"/{self.NAME}/containers"
+    def __init__(self, name: str = "llmfleet-compose-images"):
+        self.name = name
+        self.group = self.ROOT / name
+        self.containers = f"/{name}/containers"
 
     def __enter__(self) -> IdleCgroup:
+        if not (self.ROOT / "cgroup.procs").exists():
+            raise OSError(f"no cgroup v1 cpu hierarchy at {self.ROOT}")
+        self.previous = self.ROOT / _cpu_cgroup().lstrip("/")  # where this process goes back to
         try:
             self.group.mkdir(exist_ok=True)
             (self.group / "cpu.idle").write_text("1")
-            if self.v2:
-                (self.group / "cgroup.subtree_control").write_text("+cpu")
             (self.group / "tools").mkdir(exist_ok=True)
             (self.group / "tools" / "cgroup.procs").write_text(str(os.getpid()))
         except OSError:
@@ -222,17 +222,23 @@ class IdleCgroup:
         return self
 
     def __exit__(self, *exc) -> None:
-        (self.root / "cgroup.procs").write_text(str(os.getpid()))
+        (self.previous / "cgroup.procs").write_text(str(os.getpid()))
         self._remove()
 
     def _remove(self) -> None:
-        """The groups, deepest first, in every hierarchy dockerd made them in (cgroup v1 has one per controller)."""
-        for tree in [self.group] if self.v2 else Path("/sys/fs/cgroup").glob(f"*/{self.NAME}"):
+        """The groups, deepest first, in every hierarchy dockerd made them in (one per controller)."""
+        for tree in Path("/sys/fs/cgroup").glob(f"*/{self.name}"):
             for directory in sorted((d for d in tree.rglob("*") if d.is_dir()), key=lambda d: -len(d.parts)):
                 with contextlib.suppress(OSError):
                     directory.rmdir()
             with contextlib.suppress(OSError):
                 tree.rmdir()
+
+
+def _cpu_cgroup() -> str:
+    """This process's group in the cgroup v1 cpu hierarchy (`/` at its root)."""
+    return next(line.split(":", 2)[2] for line in Path("/proc/self/cgroup").read_text().splitlines()
+                if "cpu" in line.split(":")[1].split(","))
 
 
 def main(argv: list[str] | None = None) -> int:
