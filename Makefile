@@ -66,8 +66,8 @@ up: install
 # tests leave (`python -m tests.compose.preparation --idle`, where the machine allows it); what is
 # left of them builds beside the vLLM tier, and alone after it. The cluster tier waits for them, to
 # run beside the compose tier, whose stack leaves the cores idle 35-53 % of the time (vmstat).
-# Measured in fresh-clone runs here: with the builds at idle priority the vLLM tier took 365 s,
-# beside them at the same priority 507 s, and `make test` took 1,104 s against 1,219 s.
+# Measured in fresh-clone runs here: with the builds at idle priority the vLLM tier took 365-389 s,
+# beside them at the same priority 507 s; `make test` took 1,091 s against 1,219 s.
 # (Measured: the images built beside the first pass at the same priority, three lanes at once, or
 # the vLLM engines started beside the first pass made timing-sensitive tests fail: two cores are
 # shared.)
