@@ -256,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         daemon = DockerDaemon()
         if idle:
+            if os.geteuid() != 0 or not all(map(shutil.which, ("docker", "dockerd", "docker-compose"))):
+                print("compose images: not built at idle priority: that needs root, docker, dockerd and docker-compose")
+                return 0
             if DockerDaemon._answers():
                 print("compose images: not built at idle priority: a Docker daemon already runs here")
                 return 0
